@@ -1,0 +1,69 @@
+"""What the engine and a batch policy exchange every step.
+
+Pure data: no torch, no clock. The engine's own request objects satisfy `SchedulableRequest` directly, so a
+policy reads live state without a copy per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from scheduler.slo import SLO
+
+
+class SchedulableRequest(Protocol):
+    request_id: str
+    arrival: float  # seconds, on the clock the engine passes to `schedule` as `now`
+    slo: SLO | None
+    num_prompt_tokens: int
+    num_tokens: int  # prompt + output so far
+    num_computed_tokens: int  # tokens whose KV is in the cache
+    num_output_tokens: int
+    num_blocks: int  # KV blocks held
+    max_tokens: int  # output cap of this request
+
+
+@dataclass(slots=True, frozen=True)
+class KvState:
+    block_size: int
+    num_free_blocks: int  # free now, evictable prefix-cache blocks included
+    num_total_blocks: int
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The batch of one step: (request, tokens to compute now) in batch order, and who gives up its KV first."""
+    scheduled: list[tuple[SchedulableRequest, int]] = field(default_factory=list)
+    preempted: list[SchedulableRequest] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class StepStats:
+    """One engine step as measured: the shape that the latency model maps to `duration`."""
+    start: float
+    duration: float  # seconds of wall time for the whole step
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_kv_tokens: int  # context tokens attended over, summed across the batch
+    num_blocks_used: int
+    num_running: int
+    num_waiting: int
+
+
+class BatchPolicy(Protocol):
+    """Chooses each step's batch. Never reads a clock: `now` comes in."""
+
+    def schedule(self, now: float, running: Sequence[SchedulableRequest],
+                 waiting: Sequence[SchedulableRequest], kv: KvState) -> StepPlan: ...
+
+    def observe(self, stats: StepStats) -> None: ...
+
+
+def blocks_needed(req: SchedulableRequest, num_new_tokens: int, block_size: int) -> int:
+    """Extra KV blocks `req` must hold to compute `num_new_tokens` more tokens."""
+    total = -(-(req.num_computed_tokens + num_new_tokens) // block_size)
+    return max(0, total - req.num_blocks)
+
+
+def is_decode(req: SchedulableRequest, num_new_tokens: int) -> bool:
+    return num_new_tokens == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
