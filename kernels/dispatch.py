@@ -22,8 +22,8 @@ REFERENCE = Ops("reference", reference.store_kvcache, reference.paged_attention,
                 reference.fused_add_rms_norm, reference.rotary_embedding, reference.silu_and_mul)
 
 
-def get_ops(device: str) -> Ops:
+def get_ops(device: str, backend: str = "auto") -> Ops:
     """Reference ops on the CPU; the GPU kernels on CUDA (added with the kernels)."""
-    if device == "cpu":
+    if device == "cpu" and backend in ("auto", "reference"):
         return REFERENCE
     raise ValueError(f"no kernels for device {device!r} yet")

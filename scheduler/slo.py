@@ -16,3 +16,12 @@ class SLO:
     def token_deadline(self, arrival: float, k: int) -> float:
         """Deadline (seconds) of output token k, k = 1 being the first."""
         return arrival + (self.ttft_ms + (k - 1) * self.tpot_ms) / 1000.0
+
+
+def next_token_deadline(slo: SLO, arrival: float, num_output_tokens: int) -> float:
+    """Deadline (seconds) of the token a request with `num_output_tokens` outputs emits next.
+
+    Same value as `slo.token_deadline(arrival, num_output_tokens + 1)`, written out because policies call it for
+    every running request every step.
+    """
+    return arrival + (slo.ttft_ms + num_output_tokens * slo.tpot_ms) / 1000.0

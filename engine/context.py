@@ -1,0 +1,30 @@
+"""Attention metadata of the current step. The model sees only (input_ids, positions); attention reads the rest here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    max_seq_len: int
+    max_query_len: int
+
+
+_context: AttentionContext | None = None
+
+
+def set_context(ctx: AttentionContext | None) -> None:
+    global _context
+    _context = ctx
+
+
+def get_context() -> AttentionContext:
+    if _context is None:
+        raise RuntimeError("attention called outside a step: no AttentionContext is set")
+    return _context

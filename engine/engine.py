@@ -1,0 +1,238 @@
+"""The step loop: schedule -> flattened mixed batch -> forward -> sample -> postprocess, with every step measured."""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine._C import BlockManager
+from engine.executor import Executor, StepBatch
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Detokenizer, Tokenizer
+from scheduler.slo import SLO
+from scheduler.types import BatchPolicy, KvState, StepStats, is_decode
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked; nothing else is affected."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's result so far. `new_token_ids`/`new_text` are what this step added (for streaming)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    arrival: float
+    first_token_time: float | None
+    token_times: list[float]
+    logprobs: list[float] | None
+    num_cached_tokens: int
+    error: str | None = None
+
+
+class Engine:
+    """Owns the requests, the block manager, the batch policy and an executor. Single-threaded: one caller steps it."""
+
+    def __init__(self, executor: Executor, policy: BatchPolicy, tokenizer: Tokenizer | None, *, block_size: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...], enable_prefix_caching: bool = True,
+                 clock=time.monotonic, stats_history: int = 4096):
+        self.executor, self.policy, self.tokenizer = executor, policy, tokenizer
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.blocks = BlockManager(executor.num_kv_blocks, block_size, enable_prefix_caching)
+        self.waiting: list[Request] = []  # kept in arrival order
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.detok: dict[str, Detokenizer] = {}
+        self.step_stats: deque[StepStats] = deque(maxlen=stats_history)
+        self._seq_ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    slo: SLO | None = None, arrival: float | None = None) -> Request:
+        """Validates and queues a request; raises InvalidRequestError (the engine is untouched) when it can't run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self._tokenize(prompt)
+        if len(ids) + 1 > self.max_model_len:
+            raise InvalidRequestError(f"prompt of {len(ids)} tokens leaves no room for output in the context "
+                                      f"length of {self.max_model_len}")
+        if len(ids) > self.executor.num_kv_blocks * self.block_size:
+            raise InvalidRequestError(f"prompt of {len(ids)} tokens exceeds the KV pool "
+                                      f"({self.executor.num_kv_blocks * self.block_size} tokens)")
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=getattr(self.executor, "device", "cpu")).manual_seed(params.seed)
+        req = Request(request_id, next(self._seq_ids), ids, params, self.clock() if arrival is None else arrival,
+                      slo=slo, generator=generator)
+        self.blocks.add_sequence(req.seq_id, ids)
+        self.requests[request_id] = req
+        self.detok[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self._enqueue(req)
+        return req
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: send token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.executor.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _enqueue(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        return self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = self.clock()
+        kv = KvState(self.block_size, self.blocks.num_free_blocks(), self.blocks.num_total_blocks)
+        plan = self.policy.schedule(start, self.running, self.waiting, kv)
+        for req in plan.preempted:
+            self._preempt(req)
+        items = self._admit(plan.scheduled)
+        if not items:
+            return []
+        reqs = [r for r, _ in items]
+        computed = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
+        new = np.fromiter((n for _, n in items), np.int64, len(reqs))
+        meta = self.blocks.build_batch(np.fromiter((r.seq_id for r in reqs), np.int64, len(reqs)), computed, new)
+        sampled = [reqs[i] for i in meta.sample_rows.tolist()]
+        num_decode = sum(1 for r, n in items if is_decode(r, n))
+        num_prefill = int(new.sum()) - num_decode
+        num_kv = int(meta.seq_lens.sum())
+        batch = StepBatch(meta, [r.params for r in sampled], [r.generator for r in sampled],
+                          num_prefill, num_decode, num_kv)
+        try:
+            tokens, logprobs = self.executor.execute(batch)
+        except Exception as e:  # a failed forward ends this batch's requests with an error, not the engine
+            log.exception("step failed; ending its %d requests with an error", len(reqs))
+            for r in reqs:
+                self.running.remove(r)
+            return [self._finish(r, "error", error=f"{type(e).__name__}: {e}") for r in reqs]
+        now = self.clock()
+        for r, n in items:
+            r.num_computed_tokens += n
+            self.blocks.mark_computed(r.seq_id, r.num_computed_tokens)
+        outputs = [self._append_token(r, t, None if logprobs is None else logprobs[i], now)
+                   for i, (r, t) in enumerate(zip(sampled, tokens))]
+        stats = StepStats(start, self.clock() - start, num_prefill, num_decode, num_kv,
+                          self.blocks.num_total_blocks - self.blocks.num_free_blocks(), len(self.running),
+                          len(self.waiting))
+        self.step_stats.append(stats)
+        self.policy.observe(stats)
+        return outputs
+
+    def _admit(self, scheduled) -> list[tuple[Request, int]]:
+        """Gives every planned request its KV blocks (prefix-cache hits first for newcomers); drops what can't fit."""
+        items = []
+        for req, n in scheduled:
+            if n <= 0:
+                continue
+            newcomer = req.status is RequestStatus.WAITING
+            if newcomer and req.num_blocks == 0:
+                cached = self.blocks.allocate_cached_prefix(req.seq_id)
+                req.num_computed_tokens = cached
+                if req.num_output_tokens == 0:
+                    req.num_cached_tokens = cached
+                n = min(n, req.num_tokens - cached)
+            if not self.blocks.ensure_capacity(req.seq_id, req.num_computed_tokens + n):
+                if newcomer:
+                    self.blocks.free_blocks(req.seq_id)
+                    req.num_computed_tokens = 0
+                req.num_blocks = self.blocks.num_blocks_of(req.seq_id)
+                continue
+            req.num_blocks = self.blocks.num_blocks_of(req.seq_id)
+            if newcomer:
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+            items.append((req, n))
+        return items
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop the request's KV, keep its tokens, send it back to the queue."""
+        self.blocks.free_blocks(req.seq_id)
+        req.num_computed_tokens = req.num_blocks = 0
+        if req in self.running:
+            self.running.remove(req)
+            self._enqueue(req)
+
+    def _append_token(self, req: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
+        req.output_token_ids.append(token)
+        req.token_times.append(now)
+        if logprob is not None and req.params.logprobs:
+            req.output_logprobs.append(logprob)
+        self.blocks.append_token(req.seq_id, token)
+        detok = self.detok[req.request_id]
+        p = req.params
+        reason = None
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif detok.add(token):
+            reason = "stop"
+        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.running.remove(req)
+            return self._finish(req, reason, new_token_ids=[token])
+        return self._output(req, [token], detok.take_delta(False))
+
+    def _finish(self, req: Request, reason: str, new_token_ids: list[int] | None = None,
+                error: str | None = None) -> RequestOutput:
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        self.blocks.remove_sequence(req.seq_id)
+        req.num_blocks = req.num_computed_tokens = 0
+        del self.requests[req.request_id]
+        detok = self.detok.pop(req.request_id)
+        return self._output(req, new_token_ids or [], detok.take_delta(True), text=detok.text)
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str, text: str | None = None) -> RequestOutput:
+        if text is None:
+            text = self.detok[req.request_id].text
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=req.output_token_ids,
+            text=text, new_token_ids=new_ids, new_text=new_text, finished=req.finished,
+            finish_reason=req.finish_reason, arrival=req.arrival,
+            first_token_time=req.token_times[0] if req.token_times else None, token_times=req.token_times,
+            logprobs=req.output_logprobs if req.params.logprobs else None, num_cached_tokens=req.num_cached_tokens,
+            error=req.error)

@@ -1,0 +1,65 @@
+"""The real-model executor: weights, the paged KV pool, and one forward + sample per step."""
+from __future__ import annotations
+
+import torch
+
+from engine.context import AttentionContext, set_context
+from engine.executor import StepBatch
+from engine.loader import load_weights
+from engine.model_config import DTYPES, ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import sample
+from kernels import get_ops
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, device: str, dtype: str | None, block_size: int,
+                 num_kv_blocks: int | None, kv_cache_memory: int, gpu_memory_utilization: float, kernels: str):
+        self.cfg, self.device, self.block_size = model_cfg, torch.device(device), block_size
+        if dtype is not None:
+            self.dtype = DTYPES[dtype]
+        else:
+            self.dtype = model_cfg.dtype if self.device.type == "cuda" else torch.float32
+        self.vocab_size = model_cfg.vocab_size
+        ops = get_ops(self.device.type, backend=kernels)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(model_cfg, ops).to(self.dtype)
+        load_weights(self.model, model_cfg.path)
+        self.model.eval()
+        self.num_kv_blocks = num_kv_blocks or self._blocks_that_fit(kv_cache_memory, gpu_memory_utilization)
+        if self.num_kv_blocks < 1:
+            raise ValueError("no memory left for the KV cache")
+        self.kv_cache = torch.empty(model_cfg.num_layers, 2, self.num_kv_blocks, block_size, model_cfg.num_kv_heads,
+                                    model_cfg.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    def _blocks_that_fit(self, kv_cache_memory: int, gpu_memory_utilization: float) -> int:
+        per_block = self.cfg.kv_bytes_per_token(self.dtype) * self.block_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - gpu_memory_utilization) * total
+            return int(budget // per_block)
+        return int(kv_cache_memory // per_block)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> tuple[list[int], list[float] | None]:
+        meta, dev = batch.meta, self.device
+        input_ids = torch.from_numpy(meta.input_ids).to(dev, non_blocking=True)
+        positions = torch.from_numpy(meta.positions).to(dev, non_blocking=True)
+        seq_lens = torch.from_numpy(meta.seq_lens)
+        qsl = torch.from_numpy(meta.query_start_loc)
+        set_context(AttentionContext(
+            slot_mapping=torch.from_numpy(meta.slot_mapping).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(meta.block_tables).to(dev, non_blocking=True),
+            seq_lens=seq_lens.to(dev, non_blocking=True),
+            query_start_loc=qsl.to(dev, non_blocking=True),
+            max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
+            max_query_len=int((qsl[1:] - qsl[:-1]).max()) if len(seq_lens) else 0,
+        ))
+        try:
+            hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(meta.logits_indices).to(dev)])
+        finally:
+            set_context(None)
+        return sample(logits, batch.params, batch.generators)

@@ -1,0 +1,56 @@
+"""A request's state inside the engine. It satisfies `scheduler.types.SchedulableRequest` as is."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from scheduler.slo import SLO
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    seq_id: int  # the block manager's key
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    slo: SLO | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # emit time of every output token
+    num_computed_tokens: int = 0
+    num_blocks: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random checkpoints of every supported layout, and the real default model."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        # Triton kernels run on CPU tensors through the interpreter; it must be chosen before triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
+import pytest
+
+TINY = dict(vocab_size=307, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=1024)
+# name -> (transformers config class, extra fields)
+TINY_MODELS = {
+    "llama-gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-tied-mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama-odd-heads": ("LlamaConfig", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
+                                            vocab_size=263, tie_word_embeddings=False)),
+    "llama31-rope": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64), rope_theta=500000.0)),
+    "qwen2-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3-qknorm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+}
+
+
+def make_tiny_checkpoint(folder, name: str, seed: int = 0):
+    """A random model of the given layout saved as a Hugging Face folder; returns the transformers model."""
+    import transformers
+
+    cls_name, extra = TINY_MODELS[name]
+    cfg = getattr(transformers, cls_name)(**{**TINY, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if "bias" in name:  # random biases, so a missed bias shows in the output
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_MODELS))
+def tiny_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return str(folder), make_tiny_checkpoint(folder, request.param)
+
+
+@pytest.fixture(scope="session")
+def llama_tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama-gqa")
+    return str(folder), make_tiny_checkpoint(folder, "llama-gqa")
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from engine.default_model import default_model_path
+
+    return default_model_path()
