@@ -15,13 +15,13 @@ using IndexArray = py::array_t<int64_t, py::array::c_style | py::array::forcecas
 
 // A read-only numpy view of `data`; `owner` (the BatchMetadata) stays alive as long as the view does.
 template <typename T>
-py::array view(const std::vector<T>& data, std::vector<py::ssize_t> shape, py::handle owner) {
+py::array view(const polyserve::OutputArray<T>& data, std::vector<py::ssize_t> shape, py::handle owner) {
     py::array out(py::dtype::of<T>(), std::move(shape), {}, data.data(), owner);
     py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
     return out;
 }
 
-template <typename T, std::vector<T> BatchMetadata::*member>
+template <typename T, polyserve::OutputArray<T> BatchMetadata::*member>
 py::array flat_view(py::object self) {
     const auto& data = self.cast<const BatchMetadata&>().*member;
     return view(data, {static_cast<py::ssize_t>(data.size())}, self);

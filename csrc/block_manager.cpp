@@ -26,7 +26,7 @@ void require_non_negative(int64_t value, const char* what) {
     if (value < 0) throw std::invalid_argument(std::string(what) + " must be non-negative, got " + std::to_string(value));
 }
 
-int64_t blocks_for(int64_t num_tokens, int64_t block_size) { return (num_tokens + block_size - 1) / block_size; }
+int64_t blocks_for(int64_t num_tokens, int64_t block_size) { return num_tokens / block_size + (num_tokens % block_size != 0); }
 
 }  // namespace
 
@@ -57,10 +57,6 @@ const BlockManager::Sequence& BlockManager::find(int64_t seq_id) const {
     auto it = seqs_.find(seq_id);
     if (it == seqs_.end()) throw UnknownSequence("unknown " + seq_name(seq_id));
     return it->second;
-}
-
-BlockManager::FreeList& BlockManager::list_of(Where where) {
-    return where == Where::kEvictable ? evictable_ : never_cached_;
 }
 
 void BlockManager::push_back(FreeList& list, Where where, int32_t block_id) {
@@ -123,7 +119,7 @@ bool BlockManager::cached_tokens_equal(int32_t block_id, const int64_t* tokens) 
     return std::memcmp(stored, tokens, sizeof(int64_t) * static_cast<size_t>(block_size_)) == 0;
 }
 
-void BlockManager::reset_chain(Sequence& seq) const {
+void BlockManager::reset_chain(Sequence& seq) {
     seq.num_hashed_blocks = 0;
     seq.chain_hash = kRootHash;
     seq.chain_serial = kRootSerial;
@@ -267,10 +263,11 @@ BatchMetadata BlockManager::build_batch(const int64_t* seq_ids, const int64_t* n
         if (start < 0 || count < 1)
             throw std::invalid_argument("build_batch: " + seq_name(seq_ids[i]) + " needs num_computed >= 0 and num_new >= 1, got " +
                                         std::to_string(start) + " and " + std::to_string(count));
+        const int64_t size = static_cast<int64_t>(seq.tokens.size());
+        if (start > size || count > size - start)
+            throw std::runtime_error("build_batch: " + seq_name(seq_ids[i]) + " has " + std::to_string(size) +
+                                     " tokens, the step asks for " + std::to_string(count) + " from " + std::to_string(start));
         const int64_t end = start + count;
-        if (end > static_cast<int64_t>(seq.tokens.size()))
-            throw std::runtime_error("build_batch: " + seq_name(seq_ids[i]) + " has " + std::to_string(seq.tokens.size()) +
-                                     " tokens, the step asks for tokens up to " + std::to_string(end));
         const int64_t needed_blocks = blocks_for(end, block_size_);
         if (needed_blocks > static_cast<int64_t>(seq.table.size()))
             throw std::runtime_error("build_batch: " + seq_name(seq_ids[i]) + " holds " + std::to_string(seq.table.size()) +
@@ -278,8 +275,9 @@ BatchMetadata BlockManager::build_batch(const int64_t* seq_ids, const int64_t* n
         batch_scratch_[i] = &seq;
         total_tokens += count;
         max_blocks = std::max(max_blocks, needed_blocks);
-        if (end == static_cast<int64_t>(seq.tokens.size())) ++num_samples;
+        if (end == size) ++num_samples;
     }
+    if (total_tokens > INT32_MAX) throw std::invalid_argument("build_batch: more tokens than int32 query_start_loc can index");
 
     BatchMetadata out;
     out.num_seqs = batch_size;
@@ -302,10 +300,17 @@ BatchMetadata BlockManager::build_batch(const int64_t* seq_ids, const int64_t* n
         const int64_t start = num_computed[i];
         const int64_t end = start + num_new[i];
         const int32_t* table = seq.table.data();
+        // Walk slots block by block: one division per item, not one per token.
+        int64_t block = start / block_size_;
+        int64_t offset = start % block_size_;
         for (int64_t p = start; p < end; ++p, ++t) {
             out.input_ids[t] = seq.tokens[p];
             out.positions[t] = p;
-            out.slot_mapping[t] = static_cast<int64_t>(table[p / block_size_]) * block_size_ + p % block_size_;
+            out.slot_mapping[t] = static_cast<int64_t>(table[block]) * block_size_ + offset;
+            if (++offset == block_size_) {
+                offset = 0;
+                ++block;
+            }
         }
         const int64_t used = blocks_for(end, block_size_);
         int32_t* row = out.block_tables.data() + i * max_blocks;

@@ -9,9 +9,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace polyserve {
@@ -20,18 +23,42 @@ struct UnknownSequence : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// The flattened inputs of one step. Plain vectors: bindings.cpp hands them to numpy as read-only views.
+// Leaves resized elements uninitialised: build_batch writes every element, so zero-filling first is wasted work.
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+    using value_type = T;
+    template <typename U>
+    struct rebind {
+        using other = DefaultInitAllocator<U>;
+    };
+    DefaultInitAllocator() = default;
+    template <typename U>
+    DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+    template <typename U>
+    void construct(U* p) noexcept {
+        ::new (static_cast<void*>(p)) U;
+    }
+    template <typename U, typename... Args>
+    void construct(U* p, Args&&... args) {
+        ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+    }
+};
+
+template <typename T>
+using OutputArray = std::vector<T, DefaultInitAllocator<T>>;
+
+// The flattened inputs of one step. bindings.cpp hands the arrays to numpy as read-only views.
 struct BatchMetadata {
     int64_t num_seqs = 0;
     int64_t max_blocks = 0;  // row length of block_tables
-    std::vector<int64_t> input_ids;        // [T]
-    std::vector<int64_t> positions;        // [T]
-    std::vector<int64_t> slot_mapping;     // [T] block_id * block_size + offset
-    std::vector<int32_t> block_tables;     // [B, max_blocks] row-major, padded with -1
-    std::vector<int32_t> seq_lens;         // [B]
-    std::vector<int32_t> query_start_loc;  // [B + 1]
-    std::vector<int64_t> logits_indices;   // [B'] last token of each item that completes its sequence
-    std::vector<int64_t> sample_rows;      // [B'] batch index of each of those items
+    OutputArray<int64_t> input_ids;        // [T]
+    OutputArray<int64_t> positions;        // [T]
+    OutputArray<int64_t> slot_mapping;     // [T] block_id * block_size + offset
+    OutputArray<int32_t> block_tables;     // [B, max_blocks] row-major, padded with -1
+    OutputArray<int32_t> seq_lens;         // [B]
+    OutputArray<int32_t> query_start_loc;  // [B + 1]
+    OutputArray<int64_t> logits_indices;   // [B'] last token of each item that completes its sequence
+    OutputArray<int64_t> sample_rows;      // [B'] batch index of each of those items
 };
 
 class BlockManager {
@@ -102,12 +129,11 @@ private:
 
     void push_back(FreeList& list, Where where, int32_t block_id);
     void unlink(FreeList& list, int32_t block_id);
-    FreeList& list_of(Where where);
     int32_t take_free_block();
     void drop_hash(int32_t block_id);
     void release(int32_t block_id);
     bool cached_tokens_equal(int32_t block_id, const int64_t* tokens) const;
-    void reset_chain(Sequence& seq) const;
+    static void reset_chain(Sequence& seq);
 
     int64_t block_size_;
     bool prefix_caching_;

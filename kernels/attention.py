@@ -165,26 +165,24 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 _SM_COUNTS: dict[int, int] = {}
 
 
-def _cuda_sm_count(index: int) -> int:
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached: the query is slow); 1 for the CPU interpreter."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNTS[index]
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None, num_sms: int) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None, sm_count: int) -> int:
     """KV splits for a decode batch: enough programs for about two per multiprocessor, each split keeping at least
     MIN_KEYS_PER_SPLIT keys. A host-side choice from Python ints, so a CUDA-graph runner can fix it per batch size."""
-    programs = num_seqs * num_kv_heads
-    by_occupancy = -(-2 * num_sms // programs)
+    programs = max(1, num_seqs * num_kv_heads)
+    by_occupancy = -(-2 * sm_count // programs)
     by_length = MAX_SPLITS if max_seq_len is None else max_seq_len // MIN_KEYS_PER_SPLIT
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
@@ -253,7 +251,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_q_heads // num_kv_heads
     decode = num_tokens == num_seqs or max_query_len == 1
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device)) if decode else 1
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(q.device)) if decode else 1
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
 

@@ -1,10 +1,26 @@
-"""The one place that chooses, per device, the implementation of every op the model calls."""
+"""The one place that chooses, per device, the implementation of every op the model calls.
+
+Backends:
+  reference  the torch ops of kernels.reference (any device; the default on the CPU);
+  triton     the Triton kernels (the default on CUDA). On CPU tensors they run only under Triton's interpreter,
+             which Triton selects when each kernel is defined: TRITON_INTERPRET=1 must be in the environment
+             before the first get_ops(..., backend="triton") (that call imports the kernel modules);
+  cuda       the Triton kernels with the CUDA C++ ones of csrc/cuda in place of the KV-cache store and of
+             decode-only attention (needs the kernels._cuda extension and a CUDA device).
+The Triton modules are imported here lazily, so importing `kernels` never imports triton.
+"""
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from kernels import reference
+
+BACKENDS = ("reference", "triton", "cuda")
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,8 +38,43 @@ REFERENCE = Ops("reference", reference.store_kvcache, reference.paged_attention,
                 reference.fused_add_rms_norm, reference.rotary_embedding, reference.silu_and_mul)
 
 
-def get_ops(device: str, backend: str = "auto") -> Ops:
-    """Reference ops on the CPU; the GPU kernels on CUDA (added with the kernels)."""
-    if device == "cpu" and backend in ("auto", "reference"):
+def _triton_ops(device_type: str) -> Ops:
+    if device_type == "cpu" and "kernels.attention" not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("Triton kernels on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 in the "
+                         "environment before the first get_ops(..., backend='triton')")
+    from kernels import activation, attention, kv_store, norm, rotary
+
+    if device_type == "cpu" and not attention.INTERPRETED:
+        raise ValueError("the Triton kernels were already defined for the GPU in this process (kernels.attention "
+                         "was imported before TRITON_INTERPRET=1 was set); they cannot run on CPU tensors")
+    name = "triton-interpreter" if attention.INTERPRETED else "triton"
+    return Ops(name, kv_store.store_kvcache, attention.paged_attention, norm.rms_norm, norm.fused_add_rms_norm,
+               rotary.rotary_embedding, activation.silu_and_mul)
+
+
+def _cuda_ops() -> Ops:
+    from kernels import cuda_native
+
+    cuda_native.load()  # the ImportError names what is missing
+    triton_ops = _triton_ops("cuda")
+    return Ops("cuda", cuda_native.store_kvcache, cuda_native.paged_attention, triton_ops.rms_norm,
+               triton_ops.fused_add_rms_norm, triton_ops.rotary_embedding, triton_ops.silu_and_mul)
+
+
+def get_ops(device: str | torch.device, backend: str | None = None) -> Ops:
+    """The ops for tensors on `device` ("cpu", "cuda", "cuda:1", ...): by default the reference ops on the CPU
+    and the Triton kernels on CUDA; `backend` overrides (see the module docstring)."""
+    device_type = torch.device(device).type
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"no ops for device {str(device)!r} (cpu or cuda)")
+    if backend is None:
+        backend = "reference" if device_type == "cpu" else "triton"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "reference":
         return REFERENCE
-    raise ValueError(f"no kernels for device {device!r} yet")
+    if backend == "triton":
+        return _triton_ops(device_type)
+    if device_type != "cuda":
+        raise ValueError("the 'cuda' backend (CUDA C++ kernels) needs a CUDA device")
+    return _cuda_ops()

@@ -30,8 +30,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's query tokens over its paged context; fp32 math, output in q's dtype."""
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                    max_query_len: int | None = None, max_seq_len: int | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens over its paged context; fp32 math, output in q's dtype.
+    The keyword hints steer the GPU kernels' launch shapes (kernels.attention) and do not change the result."""
     out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -44,8 +47,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = gather_kv(k_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
         v = gather_kv(v_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

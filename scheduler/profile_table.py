@@ -31,21 +31,26 @@ class ProfileTable:
             if any(not b > a for a, b in zip(axis, axis[1:])) or axis[0] < 0:
                 raise ValueError(f"profile axis {name} must be non-negative and strictly increasing, got {axis}")
         shape = tuple(len(a) for a in axes)
-        flat = []
         if len(time_s) != shape[0] or any(len(row) != shape[1] for row in time_s) \
                 or any(len(col) != shape[2] for row in time_s for col in row):
             raise ValueError(f"time_s must be nested as [{shape[0]}][{shape[1]}][{shape[2]}] to match the axes")
-        for row in time_s:
-            for col in row:
-                for t in col:
-                    if not (math.isfinite(t) and t >= 0):
-                        raise ValueError(f"profile times must be finite and non-negative, got {t}")
-                    flat.append(float(t))
+        grid = [[[float(t) for t in col] for col in row] for row in time_s]
+        for t in (t for row in grid for col in row for t in col):
+            if not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"profile times must be finite and non-negative, got {t}")
         self.model, self.device, self.source = model, device, source
-        self._p, self._d, self._k = (tuple(float(x) for x in a) for a in axes)
-        self._flat = flat
-        self._stride_p = shape[1] * shape[2]
-        self._stride_d = shape[2]
+        self._axes = tuple(tuple(float(x) for x in a) for a in axes)
+        self._grid = grid
+        # One extra grid point past each axis' end, on the edge cell's line: every real grid point is then the
+        # lower corner of a cell (interpolation weight 0: exact), and the padding cell extrapolates.
+        p, d, k = (a + (2 * a[-1] - a[-2],) for a in self._axes)
+        padded = [[col + [2 * col[-1] - col[-2]] for col in row] for row in grid]
+        padded = [row + [[2 * a - b for a, b in zip(row[-1], row[-2])]] for row in padded]
+        padded.append([[2 * a - b for a, b in zip(c1, c2)] for c1, c2 in zip(padded[-1], padded[-2])])
+        self._p, self._d, self._k = p, d, k
+        self._flat = [t for row in padded for col in row for t in col]
+        self._stride_d = len(k)
+        self._stride_p = len(d) * len(k)
 
     @classmethod
     def from_dict(cls, data: dict) -> "ProfileTable":
@@ -68,12 +73,10 @@ class ProfileTable:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict:
-        np_, nd, nk = len(self._p), len(self._d), len(self._k)
-        flat = self._flat
-        nested = [[flat[(i * nd + j) * nk:(i * nd + j + 1) * nk] for j in range(nd)] for i in range(np_)]
+        p, d, k = self._axes
         return {"version": FORMAT_VERSION, "model": self.model, "device": self.device, "source": self.source,
-                "num_prefill_tokens": list(self._p), "num_decode_seqs": list(self._d),
-                "num_kv_tokens": list(self._k), "time_s": nested}
+                "num_prefill_tokens": list(p), "num_decode_seqs": list(d), "num_kv_tokens": list(k),
+                "time_s": [[list(col) for col in row] for row in self._grid]}
 
     def save(self, path: str | Path) -> None:
         with open(path, "w") as f:
@@ -82,7 +85,7 @@ class ProfileTable:
 
     def predict(self, num_prefill_tokens: int, num_decode_seqs: int, num_kv_tokens: int) -> float:
         p, d, k = self._p, self._d, self._k
-        # cell index on each axis: the last cell also serves everything past the end (linear extrapolation)
+        # cell index on each axis; below the first point the first cell extrapolates, past the end the padding cell
         i = min(max(bisect_right(p, num_prefill_tokens) - 1, 0), len(p) - 2)
         j = min(max(bisect_right(d, num_decode_seqs) - 1, 0), len(d) - 2)
         m = min(max(bisect_right(k, num_kv_tokens) - 1, 0), len(k) - 2)

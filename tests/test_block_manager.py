@@ -284,6 +284,8 @@ def test_build_batch_rejects_bad_items():
         bm.build_batch([1], [6], [3])
     with pytest.raises(RuntimeError, match="sequence 1 has 10 tokens"):
         bm.build_batch([1], [8], [3])
+    with pytest.raises(RuntimeError, match="sequence 1 has 10 tokens"):
+        bm.build_batch([1], [2**62], [2**62])  # no overflow into a 'valid' range
     with pytest.raises(KeyError, match="sequence 2"):
         bm.build_batch([1, 2], [0, 0], [1, 1])
     with pytest.raises(ValueError, match="twice"):
@@ -316,6 +318,7 @@ def test_bad_input_errors():
         bm.append_token(1, -1)
     with pytest.raises(ValueError, match="num_tokens"):
         bm.ensure_capacity(1, -1)
+    assert not bm.ensure_capacity(1, 2**63 - 1) and bm.num_blocks_of(1) == 0
     with pytest.raises(ValueError, match="num_computed_tokens"):
         bm.mark_computed(1, -1)
     with pytest.raises(ValueError, match="3 tokens"):

@@ -1,0 +1,175 @@
+"""Can instance s take request r and still attain every SLO on it? (DESIGN.md §2, attainability test.)
+
+Checks, in this order; the first that fails names the rejection:
+- ttft: r's prefill, behind the queued prefills with earlier first-token deadlines, chunked at the chunk the instance
+  affords now (its decodes' per-token budget), starting when the iteration in flight ends, emits r's first token by
+  arrival + ttft. Time already queued counts because deadlines run from r's arrival.
+- second_token: one decode iteration later (the batch then holds r, the current decodes and the prefills that went
+  before r) is within arrival + ttft + tpot.
+- tpot: the batch simulated forward to its largest KV, r included, predicts an iteration within the TPOT (the
+  instance's, or r's if tighter). Each request grows one token per iteration until it has produced its expected
+  output (the tier's running mean, capped by its max_tokens; a resident is charged what REMAINS of it, at least one
+  token), then leaves. Between departures the KV grows, so the peak is just before one: the simulation visits
+  departure events only, O(n log n) for n residents.
+- kv_capacity: that peak fits in the instance's KV pool.
+- prefill_continuity: the chunk the instance can afford in the worst coming iteration (every resident decoding,
+  each grown by the iterations r's prefill takes, r's prompt already in the cache) still finishes r's prefill by its
+  first-token deadline.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from scheduler.chunking import largest_chunk
+from scheduler.instance_state import InstanceState, RequestSnapshot
+from scheduler.latency_model import LatencyModel
+from scheduler.output_length import OutputLengthTracker
+
+
+class Rejection(str, Enum):
+    TTFT = "ttft"
+    SECOND_TOKEN = "second_token"
+    TPOT = "tpot"
+    KV_CAPACITY = "kv_capacity"
+    PREFILL_CONTINUITY = "prefill_continuity"
+
+
+@dataclass(slots=True, frozen=True)
+class Attainability:
+    """Verdict and the predicted figures behind it (absolute times in seconds on the caller's clock)."""
+    ok: bool
+    reason: Rejection | None  # None when ok
+    first_token_time: float  # inf when no prefill chunk fits the budget now
+    second_token_time: float
+    prefill_chunk: int  # tokens per iteration the instance affords r's prefill now
+    prefill_iterations: int
+    steady_iteration_s: float  # predicted iteration at the KV peak
+    peak_kv_tokens: int
+    peak_batch_size: int  # requests in the batch at the peak
+    worst_prefill_chunk: int
+    worst_prefill_end: float  # inf when no chunk fits the worst iteration
+
+
+class AttainabilityChecker:
+    def __init__(self, model: LatencyModel, output_lengths: OutputLengthTracker, max_prefill_chunk: int):
+        if max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be positive, got {max_prefill_chunk}")
+        self.model = model
+        self.output_lengths = output_lengths
+        self.max_prefill_chunk = max_prefill_chunk
+
+    def check_idle(self, request: RequestSnapshot, kv_capacity_tokens: int) -> Attainability:
+        """Can r's SLO be met at all: on an empty instance held to r's own TPOT, placed the moment it arrives.
+        A request that fails this is refused at admission."""
+        idle = InstanceState(residents=(), kv_capacity_tokens=kv_capacity_tokens, iteration_end=request.arrival,
+                             tpot_ms=request.slo.tpot_ms)
+        return self.check(idle, request, request.arrival)
+
+    def check(self, instance: InstanceState, request: RequestSnapshot, now: float) -> Attainability:
+        model, cap = self.model, self.max_prefill_chunk
+        expected: dict[str, int] = {}
+        means = self.output_lengths.mean
+        slo = request.slo
+        start = now if now > instance.iteration_end else instance.iteration_end
+        budget_s = min(instance.tpot_ms, slo.tpot_ms) / 1000.0
+        first_deadline = request.arrival + slo.ttft_ms / 1000.0
+
+        # One pass over the residents: the decodes now, the prefill work queued ahead of r, and for the
+        # simulation each resident's KV now (full context, for queued prefills too) and remaining iterations.
+        num_decoding = kv_decoding = 0
+        num_ahead = work_ahead = 0
+        kv_lengths: list[int] = []
+        remaining: list[int] = []
+        for s in instance.residents:
+            out = s.num_output_tokens
+            tokens = s.num_prompt_tokens + out
+            if out and s.num_computed_tokens >= tokens - 1:
+                num_decoding += 1
+                kv_decoding += tokens
+            else:
+                s_slo = s.slo
+                if s.arrival + (s_slo.ttft_ms + out * s_slo.tpot_ms) / 1000.0 <= first_deadline:
+                    num_ahead += 1
+                    work_ahead += tokens - s.num_computed_tokens
+            tier = s.tier
+            e = expected.get(tier)
+            if e is None:
+                e = expected[tier] = math.ceil(means(tier))
+            left = (e if e < s.max_tokens else s.max_tokens) - out
+            kv_lengths.append(tokens)
+            remaining.append(left if left > 1 else 1)
+        num_residents = len(kv_lengths)
+        kv_residents = sum(kv_lengths)
+
+        r_tokens = request.num_prompt_tokens + request.num_output_tokens
+        work = work_ahead + r_tokens - request.num_computed_tokens
+        r_left = max(min(math.ceil(means(request.tier)), request.max_tokens) - request.num_output_tokens, 1)
+
+        # ttft: chunked at what the current decodes' budget leaves (no decodes: no per-token budget, full chunks)
+        chunk = cap if num_decoding == 0 else largest_chunk(model, budget_s, num_decoding, kv_decoding, cap)
+        if chunk == 0:
+            return Attainability(False, Rejection.TTFT, math.inf, math.inf, 0, 0, math.inf, 0, 0, 0, math.inf)
+        iterations = -(-work // chunk)
+        piece = chunk if chunk < work else work
+        first = start + iterations * model.predict(piece, num_decoding, kv_decoding + piece)
+
+        # second token: one decode iteration with r and everything that was prefilled before it
+        kv_then = kv_decoding + num_decoding * iterations + work_ahead + r_tokens
+        second = first + model.predict(0, num_decoding + num_ahead + 1, kv_then)
+
+        # steady state: r joins with its KV shifted so that it holds r_tokens when its first token is out
+        kv_lengths.append(max(r_tokens - iterations, 0))
+        remaining.append(iterations + r_left)
+        peak_kv, peak_batch = _peak_kv(kv_lengths, remaining)
+        steady_s = model.predict(0, peak_batch, peak_kv)
+
+        # continuity: the worst coming iteration holds every resident decoding, grown over r's prefill
+        kv_worst = kv_residents + num_residents * iterations + max(r_tokens - chunk, 0)
+        worst_chunk = cap if num_residents == 0 else largest_chunk(model, budget_s, num_residents, kv_worst, cap)
+        if worst_chunk == 0:
+            worst_end = math.inf
+        else:
+            worst_piece = worst_chunk if worst_chunk < work else work
+            worst_end = start + -(-work // worst_chunk) * model.predict(worst_piece, num_residents,
+                                                                        kv_worst + worst_piece)
+
+        if first > first_deadline:
+            reason = Rejection.TTFT
+        elif second > first_deadline + slo.tpot_ms / 1000.0:
+            reason = Rejection.SECOND_TOKEN
+        elif steady_s > budget_s:
+            reason = Rejection.TPOT
+        elif peak_kv > instance.kv_capacity_tokens:
+            reason = Rejection.KV_CAPACITY
+        elif worst_end > first_deadline:
+            reason = Rejection.PREFILL_CONTINUITY
+        else:
+            reason = None
+        return Attainability(reason is None, reason, first, second, chunk, iterations, steady_s, peak_kv,
+                             peak_batch, worst_chunk, worst_end)
+
+
+def _peak_kv(kv_lengths: list[int], remaining: list[int]) -> tuple[int, int]:
+    """Largest KV a batch reaches, and its batch size then, when request i holds kv_lengths[i] + t tokens at
+    iteration t < remaining[i] and is gone after: the KV grows between departures, so the peak is at the last
+    iteration before one (t = remaining[i] - 1)."""
+    order = sorted(range(len(remaining)), key=remaining.__getitem__)
+    peak = batch = 0
+    kv_alive = num_alive = 0
+    last = None
+    # latest departure first: the alive set then only gains members
+    for i in reversed(order):
+        r = remaining[i]
+        if r != last and num_alive:
+            kv = kv_alive + (last - 1) * num_alive
+            if kv > peak:
+                peak, batch = kv, num_alive
+        kv_alive += kv_lengths[i]
+        num_alive += 1
+        last = r
+    kv = kv_alive + (last - 1) * num_alive
+    if kv > peak:
+        peak, batch = kv, num_alive
+    return peak, batch

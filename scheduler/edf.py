@@ -1,0 +1,83 @@
+"""Earliest deadline first under a static token budget: the deadline-aware baseline without dynamic chunking."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from scheduler.slo import SLO
+from scheduler.types import KvState, SchedulableRequest, StepPlan, StepStats, blocks_needed
+
+
+class EDFPolicy:
+    """All requests, running and waiting, in order of the deadline of the token each emits next; each takes what it
+    still needs (1 token for a decode, a chunk of its prompt otherwise) until `max_num_batched_tokens` is spent, so
+    a decode whose deadline is far can wait behind prefills (a decode stall: the price of a static budget). When KV
+    runs out a running request is preempted, latest deadline first; a waiting request that does not fit ends the
+    step's admissions, and so does any preemption. A request without an SLO is held to `default_slo`.
+    """
+
+    def __init__(self, default_slo: SLO, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        self.default_slo = default_slo
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def schedule(self, now: float, running: Sequence[SchedulableRequest],
+                 waiting: Sequence[SchedulableRequest], kv: KvState) -> StepPlan:
+        default = self.default_slo
+
+        def next_deadline(req: SchedulableRequest) -> float:
+            slo = req.slo or default
+            return req.arrival + (slo.ttft_ms + req.num_output_tokens * slo.tpot_ms) / 1000.0
+
+        plan = StepPlan()
+        block_size = kv.block_size
+        budget = self.max_num_batched_tokens
+        free = kv.num_free_blocks
+        num_seqs = len(running)
+        running_ids = {id(r) for r in running}
+        # running requests in the order the loop meets them: those met form a prefix, those still ahead (later
+        # deadlines) the tail, which gives up its KV first
+        victims = sorted(running, key=next_deadline)
+        num_met = 0
+        dropped: set[int] = set()
+        admitting = True
+        for req in sorted([*running, *waiting], key=next_deadline):
+            if budget <= 0:
+                break
+            key = id(req)
+            if key in dropped:
+                continue
+            is_new = key not in running_ids
+            if is_new and (not admitting or num_seqs >= self.max_num_seqs):
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = blocks_needed(req, n, block_size)
+            if is_new:
+                if need > free:
+                    admitting = False
+                    continue
+                num_seqs += 1
+            else:
+                num_met += 1
+                while need > free and len(victims) > num_met:
+                    victim = victims.pop()
+                    plan.preempted.append(victim)
+                    dropped.add(id(victim))
+                    free += victim.num_blocks
+                    admitting = False
+                if need > free:
+                    n = (req.num_blocks + free) * block_size - req.num_computed_tokens
+                    if n <= 0:
+                        plan.preempted.append(req)
+                        dropped.add(key)
+                        free += req.num_blocks
+                        continue
+                    need = blocks_needed(req, n, block_size)
+            free -= need
+            budget -= n
+            plan.scheduled.append((req, n))
+        return plan
+
+    def observe(self, stats: StepStats) -> None:
+        pass
