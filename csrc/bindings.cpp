@@ -13,12 +13,11 @@ namespace {
 
 using IndexArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-// A read-only numpy view of `data`; `owner` (the BatchMetadata) stays alive as long as the view does.
+// A numpy view of `data`; `owner` (the BatchMetadata) stays alive as long as the view does. Writable, so that
+// torch.from_numpy shares it without a warning: every build_batch returns fresh arrays, nothing else holds them.
 template <typename T>
 py::array view(const polyserve::OutputArray<T>& data, std::vector<py::ssize_t> shape, py::handle owner) {
-    py::array out(py::dtype::of<T>(), std::move(shape), {}, data.data(), owner);
-    py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-    return out;
+    return py::array(py::dtype::of<T>(), std::move(shape), {}, data.data(), owner);
 }
 
 template <typename T, polyserve::OutputArray<T> BatchMetadata::*member>

@@ -18,7 +18,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
-    kernels: str = "auto"  # auto | reference | triton
+    kernels: str = "auto"  # auto (reference on the CPU, Triton on CUDA) | reference | triton | cuda
     enforce_eager: bool = False  # no CUDA graphs
 
     def __post_init__(self):
@@ -32,5 +32,5 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kernels not in ("auto", "reference", "triton"):
-            raise ValueError(f"kernels must be auto, reference or triton, got {self.kernels!r}")
+        if self.kernels not in ("auto", "reference", "triton", "cuda"):
+            raise ValueError(f"kernels must be auto, reference, triton or cuda, got {self.kernels!r}")

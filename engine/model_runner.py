@@ -21,7 +21,7 @@ class ModelRunner:
         else:
             self.dtype = model_cfg.dtype if self.device.type == "cuda" else torch.float32
         self.vocab_size = model_cfg.vocab_size
-        ops = get_ops(self.device.type, backend=kernels)
+        ops = get_ops(self.device, backend=None if kernels == "auto" else kernels)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, ops).to(self.dtype)
         load_weights(self.model, model_cfg.path)

@@ -67,6 +67,8 @@ def get_ops(device: str | torch.device, backend: str | None = None) -> Ops:
     device_type = torch.device(device).type
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"no ops for device {str(device)!r} (cpu or cuda)")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for, but torch sees no CUDA device")
     if backend is None:
         backend = "reference" if device_type == "cpu" else "triton"
     if backend not in BACKENDS:

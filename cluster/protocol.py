@@ -1,0 +1,181 @@
+"""Router <-> engine wire protocol: asyncio TCP streams of length-prefixed, typed, versioned frames (DESIGN.md §5).
+
+A frame is a 4-byte big-endian payload length followed by the payload: one message, msgpack-encoded by msgspec as
+a tagged array whose tag carries the protocol version ("submit.1"). A peer speaking another version, a length of 0
+or over the bound, a payload that is cut short or does not decode to a known message: each raises `ProtocolError`,
+and the side that reads it closes that one connection with the reason logged.
+
+Worker -> router: Hello (first frame), Tokens, Finish, Error, StepReport, Heartbeat, Drained.
+Router -> worker: Submit, Abort, Drain.
+Times a worker sends are on its own monotonic clock; Hello carries that clock's reading so the router can map them.
+"""
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of msgpack; 8 MiB leaves room and bounds a bad peer
+HEADER = struct.Struct("!I")
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame; the connection it came on must be closed."""
+
+
+def _tag(name: str) -> str:
+    return f"{name}.{PROTOCOL_VERSION}"
+
+
+class _Message(msgspec.Struct, array_like=True, tag_field="type", forbid_unknown_fields=True):
+    pass
+
+
+class SamplingSpec(msgspec.Struct, array_like=True):
+    """engine.SamplingParams on the wire (checked again by SamplingParams on the worker)."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+class SLOSpec(msgspec.Struct, array_like=True):
+    ttft_ms: float
+    tpot_ms: float
+
+
+class Hello(_Message, tag=_tag("hello")):
+    version: int
+    instance_id: str
+    pid: int
+    clock: float  # the worker's monotonic clock when it sent this frame
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    has_tokenizer: bool
+    executor: str
+
+
+class Submit(_Message, tag=_tag("submit")):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    slo: SLOSpec | None
+    queued_s: float  # time since the request's arrival at the router; the worker dates its arrival back by it
+
+
+class Abort(_Message, tag=_tag("abort")):
+    request_id: str
+
+
+class Drain(_Message, tag=_tag("drain")):
+    """Finish what is resident, accept nothing new, then say Drained and exit."""
+
+
+class TokenDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    token_ids: list[int]
+    text: str  # text that became safe to stream with these tokens (may be empty)
+    emit_times: list[float]  # one per token, worker clock
+    logprobs: list[float] | None = None
+
+
+class Tokens(_Message, tag=_tag("tokens")):
+    """New tokens of one engine step, every request that produced any."""
+    deltas: list[TokenDelta]
+
+
+class Finish(_Message, tag=_tag("finish")):
+    request_id: str
+    finish_reason: str  # stop | length | abort
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+class Error(_Message, tag=_tag("error")):
+    """A request ends without a normal finish, or (request_id "") the connection is being closed for a reason."""
+    request_id: str
+    kind: str  # invalid (bad request: nothing ran) | draining (not accepted: place elsewhere) | engine | protocol
+    message: str
+
+
+class Resident(msgspec.Struct, array_like=True):
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_output_tokens: int
+
+
+class StepReport(_Message, tag=_tag("step")):
+    """One engine step as measured, and who is resident after it."""
+    start: float  # worker clock
+    duration: float
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_kv_tokens: int
+    num_blocks_used: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    residents: list[Resident]
+
+
+class Heartbeat(_Message, tag=_tag("heartbeat")):
+    clock: float
+    num_running: int
+    num_waiting: int
+
+
+class Drained(_Message, tag=_tag("drained")):
+    """Sent once, after the last resident of a draining worker finished; the worker exits next."""
+
+
+Message = Union[Hello, Submit, Abort, Drain, Tokens, Finish, Error, StepReport, Heartbeat, Drained]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_frame(msg: _Message, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Header plus payload, ready to write; ValueError if the message exceeds the frame bound."""
+    buf = bytearray(HEADER.size)
+    _encoder.encode_into(msg, buf, HEADER.size)
+    size = len(buf) - HEADER.size
+    if size > max_bytes:
+        raise ValueError(f"{type(msg).__name__} frame of {size} bytes exceeds the bound of {max_bytes} bytes")
+    HEADER.pack_into(buf, 0, size)
+    return bytes(buf)
+
+
+def decode_payload(payload: bytes | memoryview) -> Message:
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError: wrong types, unknown tag or version
+        raise ProtocolError(f"malformed frame: {e}") from None
+
+
+async def read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> Message | None:
+    """The next message, or None when the peer closed the stream cleanly between frames."""
+    try:
+        header = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise ProtocolError(f"stream ended inside a frame header ({len(e.partial)} of {HEADER.size} bytes)") from None
+    (size,) = HEADER.unpack(header)
+    if size == 0 or size > max_bytes:
+        raise ProtocolError(f"frame length {size} is outside [1, {max_bytes}]")
+    try:
+        payload = await reader.readexactly(size)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolError(f"stream ended inside a frame ({len(e.partial)} of {size} bytes)") from None
+    return decode_payload(payload)
