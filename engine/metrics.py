@@ -76,10 +76,12 @@ class ServerMetrics:
     def observe_queue_time(self, tier: str, seconds: float) -> None:
         self.queue_time.labels(tier).observe(seconds)
 
-    def observe_step(self, instance: str, duration_s: float, batch_size: int, kv_usage: float, num_running: int,
+    def observe_batch(self, instance: str, num_seqs: int) -> None:
+        self.batch_size.labels(instance).observe(num_seqs)
+
+    def observe_step(self, instance: str, duration_s: float, kv_usage: float, num_running: int,
                      num_waiting: int) -> None:
         self.iteration_time.labels(instance).observe(duration_s)
-        self.batch_size.labels(instance).observe(batch_size)
         self.kv_usage.labels(instance).set(kv_usage)
         self.running.labels(instance).set(num_running)
         self.waiting.labels(instance).set(num_waiting)

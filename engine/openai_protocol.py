@@ -55,7 +55,7 @@ class _Common(msgspec.Struct, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
-    seed: Annotated[int, msgspec.Meta(ge=0, lt=1 << 64)] | None = None  # torch generators take 64-bit seeds
+    seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None  # what torch generators take
     stop: str | list[str] | None = None
     n: PositiveInt = 1
     stream: bool = False

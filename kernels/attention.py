@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 INTERPRETED = triton.knobs.runtime.interpret  # read at the same moment @triton.jit below reads it
-SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_HEAD_DIM = 256  # tuned for 64 and 128; other sizes run padded to a power of two (at least 16)
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (its Q load, its partial write, the merge) dominates
 MAX_SPLITS = 32
@@ -50,8 +50,8 @@ def _paged_attention_kernel(
     stride_v_block, stride_v_slot, stride_v_head,
     stride_block_table,
     stride_out_token, stride_out_head,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -73,10 +73,14 @@ def _paged_attention_kernel(
     row_valid = (rows < BLOCK_Q * GROUP) & (query < q_len)
     query_pos = context_len + query
     token = (q_start + query).to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:
+        dim_valid = tl.full([BLOCK_D], 1, tl.int1)  # a constant mask keeps the loads vectorised
+    else:
+        dim_valid = dims < HEAD_DIM
 
     q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_valid[:, None], other=0.0)
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -94,7 +98,7 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     for tile_start in range(kv_lo, kv_hi, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
@@ -103,7 +107,8 @@ def _paged_attention_kernel(
         slot = keys % BLOCK_SIZE
         k_offsets = physical_block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
         v_offsets = physical_block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
-        k = tl.load(k_cache_ptr + k_offsets[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0)
+        k = tl.load(k_cache_ptr + k_offsets[None, :] + dims[:, None], mask=key_valid[None, :] & dim_valid[:, None],
+                    other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
@@ -117,7 +122,8 @@ def _paged_attention_kernel(
         p = tl.exp2(scores - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=key_valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :],
+                    other=0.0)
         if UPCAST_DOT:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -127,10 +133,11 @@ def _paged_attention_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
     else:
         row = (split * num_tokens + token) * NUM_Q_HEADS + head
-        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=row_valid[:, None] & dim_valid[None, :])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + row, lse, mask=row_valid)
 
@@ -138,12 +145,14 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, num_tokens, stride_out_token, stride_out_head,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
     head_valid = heads < NUM_Q_HEADS
+    mask = head_valid[:, None] & (dims[None, :] < HEAD_DIM)
 
     lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for split in tl.static_range(NUM_SPLITS):
@@ -153,16 +162,16 @@ def _merge_splits_kernel(
     lse_shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
 
     weight_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for split in tl.static_range(NUM_SPLITS):
         row = (split * num_tokens + token) * NUM_Q_HEADS + heads
         weight = tl.exp2(tl.load(partial_lse_ptr + row, mask=head_valid, other=float("-inf")) - lse_shift)
-        part = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=head_valid[:, None], other=0.0)
+        part = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
         weight_sum += weight
         acc += weight[:, None] * part
     out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
     tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -194,8 +203,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) 
         raise ValueError(f"k_cache and v_cache must both be [blocks, block_size, kv_heads, head_dim], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     head_dim = q.shape[2]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} unsupported by the Triton attention (supported: {SUPPORTED_HEAD_DIMS})")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} unsupported by the Triton attention (1 to {MAX_HEAD_DIM})")
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"cache head_dim {k_cache.shape[3]} != query head_dim {head_dim}")
     if q.shape[1] % k_cache.shape[2]:
@@ -220,13 +229,17 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) 
         raise ValueError(f"all attention inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def _tile_config(head_dim: int, group: int, decode: bool) -> tuple[int, int, int, int]:
+def _tile_config(block_d: int, group: int, decode: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decode tiles are short (one token times the GROUP heads) and
     bandwidth-bound; prefill tiles are 128 rows so the Q·Kᵀ and P·V products keep the tensor cores busy
-    (the shape Triton's own fused-attention tutorial uses on Hopper for head_dim 64/128)."""
+    (the shape Triton's own fused-attention tutorial uses on Hopper for head_dim 64/128); wider heads halve
+    the tile so the fp32 accumulator stays in registers."""
+    rows_for_group = triton.next_power_of_2(group)
     if decode:
-        return max(16, triton.next_power_of_2(group)), 64, 4, 3
-    return max(128, triton.next_power_of_2(group)), 64, 8 if head_dim == 128 else 4, 3
+        return max(16, rows_for_group), 64 if block_d <= 128 else 32, 4, 3
+    if block_d <= 128:
+        return max(128, rows_for_group), 64, 8 if block_d == 128 else 4, 3
+    return max(64, rows_for_group), 32, 8, 2
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -258,7 +271,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _tile_config(head_dim, group, decode)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    block_m, block_n, num_warps, num_stages = _tile_config(block_d, group, decode)
     block_q = block_m // group
     if num_splits > 1:
         partial_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
@@ -279,7 +293,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         UPCAST_DOT=upcast, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
@@ -287,7 +301,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](
             partial_out, partial_lse, out, num_tokens, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_q_heads),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=triton.next_power_of_2(num_q_heads),
             NUM_SPLITS=num_splits, num_warps=4,
         )
     return out

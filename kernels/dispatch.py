@@ -1,7 +1,8 @@
 """The one place that chooses, per device, the implementation of every op the model calls.
 
 Backends:
-  reference  the torch ops of kernels.reference (any device; the default on the CPU);
+  reference  the torch ops of kernels.reference (any device): slow, obviously correct, the oracle of the tests;
+  torch      kernels.torch_native: vectorised torch (SDPA over gathered contexts), the default on the CPU;
   triton     the Triton kernels (the default on CUDA). On CPU tensors they run only under Triton's interpreter,
              which Triton selects when each kernel is defined: TRITON_INTERPRET=1 must be in the environment
              before the first get_ops(..., backend="triton") (that call imports the kernel modules);
@@ -18,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
+from kernels import reference, torch_native
 
-BACKENDS = ("reference", "triton", "cuda")
+BACKENDS = ("reference", "torch", "triton", "cuda")
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +37,8 @@ class Ops:
 
 REFERENCE = Ops("reference", reference.store_kvcache, reference.paged_attention, reference.rms_norm,
                 reference.fused_add_rms_norm, reference.rotary_embedding, reference.silu_and_mul)
+TORCH = Ops("torch", torch_native.store_kvcache, torch_native.paged_attention, reference.rms_norm,
+            reference.fused_add_rms_norm, torch_native.rotary_embedding, reference.silu_and_mul)
 
 
 def _triton_ops(device_type: str) -> Ops:
@@ -62,19 +65,21 @@ def _cuda_ops() -> Ops:
 
 
 def get_ops(device: str | torch.device, backend: str | None = None) -> Ops:
-    """The ops for tensors on `device` ("cpu", "cuda", "cuda:1", ...): by default the reference ops on the CPU
-    and the Triton kernels on CUDA; `backend` overrides (see the module docstring)."""
+    """The ops for tensors on `device` ("cpu", "cuda", "cuda:1", ...): by default the vectorised torch ops on the
+    CPU and the Triton kernels on CUDA; `backend` overrides (see the module docstring)."""
     device_type = torch.device(device).type
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"no ops for device {str(device)!r} (cpu or cuda)")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but torch sees no CUDA device")
     if backend is None:
-        backend = "reference" if device_type == "cpu" else "triton"
+        backend = "torch" if device_type == "cpu" else "triton"
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
     if backend == "reference":
         return REFERENCE
+    if backend == "torch":
+        return TORCH
     if backend == "triton":
         return _triton_ops(device_type)
     if device_type != "cuda":

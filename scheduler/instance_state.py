@@ -6,6 +6,7 @@ engines' step reports plus the placements it made since the last report.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from scheduler.slo import SLO
 from scheduler.types import SchedulableRequest
@@ -37,16 +38,10 @@ class RequestSnapshot:
                    slo=req.slo or default_slo, tier=tier, num_computed_tokens=req.num_computed_tokens,
                    num_output_tokens=req.num_output_tokens)
 
-    @property
-    def is_decoding(self) -> bool:
-        """Has its first token and all KV but the last token's: its next step is a one-token decode."""
-        return self.num_output_tokens > 0 and \
-            self.num_computed_tokens >= self.num_prompt_tokens + self.num_output_tokens - 1
-
 
 @dataclass(slots=True, frozen=True)
 class InstanceState:
-    residents: tuple[RequestSnapshot, ...]  # running and queued on the instance
+    residents: Sequence[RequestSnapshot]  # running and queued on the instance
     kv_capacity_tokens: int  # the instance's whole KV pool, in tokens
     iteration_end: float  # when the iteration in flight ends (<= now when idle)
     tpot_ms: float  # the TPOT its tier holds it to

@@ -13,7 +13,8 @@ and the dynamic-chunking search stays exact.
 Weighted by recency (forgetting factor per step) so the fit follows drift, and anchored by a prior model: a fixed
 set of pseudo-observations of `prior.predict` over the expected ranges, with a small total weight. Data dominate
 the directions they cover; the prior fills the ones they do not (an engine that has only run decodes still
-predicts a sensible prefill cost).
+predicts a sensible prefill cost). The fit weighs absolute squared error, so a prior far off (it predicts
+hundreds of ms where steps take tens) pulls harder than its weight suggests: give it a roofline or a profile.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ NUM_FEATURES = 5
 
 class OnlineLatencyModel:
     def __init__(self, prior: LatencyModel, max_prefill_tokens: int = 2048, max_decode_seqs: int = 256,
-                 max_kv_tokens: int = 1 << 20, prior_weight: float = 4.0, forgetting: float = 0.999):
+                 max_kv_tokens: int = 1 << 20, prior_weight: float = 1.0, forgetting: float = 0.999):
         if min(max_prefill_tokens, max_decode_seqs, max_kv_tokens) < 1:
             raise ValueError("max_prefill_tokens, max_decode_seqs and max_kv_tokens must be positive")
         if not prior_weight > 0:

@@ -16,6 +16,8 @@ class PolyServePolicy:
        (next-token deadline - now) are preempted until the rest fit: the ones closest to missing keep their KV.
     2. Budget: the tightest per-token budget among the decodes, max(next-token deadline - now, tpot) each (a late
        request is not allowed to shrink the budget below its own TPOT, or one late token would stall prefill).
+       Requests still in prefill emit no token this step, so they set no per-token budget: their deadline orders
+       the chunks instead (3).
     3. Prefill chunks, running ones and waiting ones alike, in order of the deadline of the token each emits next
        (earliest first: a request that waited longer is not starved by newer ones): each takes the largest piece
        that keeps the predicted iteration within the budget, up to `max_prefill_chunk` tokens in all and the

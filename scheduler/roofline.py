@@ -3,11 +3,11 @@ nothing has been measured.
 
 Each matrix product costs its FLOPs at the achievable matrix rate PLUS its bytes (weights, activations in and out)
 at the achievable bandwidth. The sum, not the classic max: it over-predicts slightly where compute and memory
-overlap and is affine in the token count, so `predict` is a handful of multiply-adds. With the default efficiencies
-(0.8 of the matrix rate, 0.9 of the bandwidth) the four projection GEMMs of a Llama layer land within 0.78-1.16x
-of vidur's measured per-layer timings on H100 (Llama-2-7B) and A100 (Llama-3-8B) for every token count from 1 to
-32768 (tests/test_scheduler_latency.py checks this against ../shared/profiles/); the classic max() form with any
-single pair of efficiencies misses the knee by up to 1.4x in one direction or the other.
+overlap and is affine in the token count, so `predict` is a handful of multiply-adds. With the default
+efficiencies (0.8 of the matrix rate, 0.9 of the bandwidth), vidur's measured per-layer timings of the four
+projection GEMMs of a Llama layer come out at 0.78-1.16x the prediction on H100 (Llama-2-7B, 1 to 4096 tokens) and
+A100 (Llama-3-8B, 1 to 32768 tokens); tests/test_scheduler_latency.py checks this against ../shared/profiles/.
+The classic max() form, with the best single pair of efficiencies, misses the knee (100-500 tokens) by up to 1.4x.
 
 Attention: every decode query reads its sequence's whole KV (bytes at bandwidth) and does 4 * head_dim FLOPs per
 (query, key) pair per head. The three inputs do not say which part of `num_kv_tokens` belongs to prefill chunks, so

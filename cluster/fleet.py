@@ -1,0 +1,98 @@
+"""The router's view of the fleet: each instance's status, tier label, residents, KV and load (pure data).
+
+`Router` (cluster/router.py) is the only writer; `Autoscaler` and the simulator read. Times are seconds on the
+caller's clock; nothing here reads one.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from scheduler.instance_state import InstanceState, RequestSnapshot
+from scheduler.slo import SLO
+
+
+class InstanceStatus(enum.Enum):
+    STARTING = "starting"  # launched, not answering yet
+    READY = "ready"  # serving: in a tier, or in the idle pool
+    DRAINING = "draining"  # finishing its residents before it stops; takes nothing new
+    DEAD = "dead"  # crashed, hung, or stopped
+
+
+@dataclass(slots=True, eq=False)
+class RoutedRequest:
+    """A request as the router knows it. The progress fields follow the host's step reports."""
+    request_id: str
+    tier: int  # index into the router's TierSet: the tier whose queue and instances it belongs to
+    tier_name: str
+    slo: SLO
+    arrival: float
+    num_prompt_tokens: int
+    max_tokens: int
+    instance_id: str | None = None
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    late: bool = False  # its first token can no longer be on time: judged from now on as if it arrived now
+
+    def snapshot(self, arrival: float) -> RequestSnapshot:
+        """As the attainability test sees it, dated `arrival` (its own, or now for a late candidate)."""
+        tokens = self.num_prompt_tokens + self.num_output_tokens
+        computed = self.num_computed_tokens if self.num_computed_tokens <= tokens else tokens
+        return RequestSnapshot(arrival, self.num_prompt_tokens, self.max_tokens, self.slo, self.tier_name, computed,
+                               self.num_output_tokens)
+
+
+@dataclass(slots=True, eq=False)
+class InstanceView:
+    instance_id: str
+    status: InstanceStatus
+    since: float  # when it took its current status or tier label (the autoscaler's idle clock)
+    tier: int | None = None  # None: in the idle pool
+    kv_capacity_tokens: int = 0
+    residents: dict[str, RoutedRequest] = field(default_factory=dict)
+    num_own_tier: int = 0  # residents of its own tier (the rest were promoted onto it)
+    kv_tokens: int = 0  # context tokens of the residents: prompt + output so far
+    load: float = 0.0  # predicted iteration time of the current batch (every resident decoding)
+    iteration_end: float = 0.0  # predicted end of the iteration in flight
+    num_blocks_used: int = 0  # as last reported
+    state: InstanceState | None = None  # attainability snapshot; None when stale
+
+    @property
+    def serving(self) -> bool:
+        return self.status is InstanceStatus.READY
+
+    def snapshot(self, tpot_ms: float) -> InstanceState:
+        """The attainability test's view, held to `tpot_ms`; rebuilt only after the residents changed."""
+        state = self.state
+        if state is None or state.tpot_ms != tpot_ms:
+            state = self.state = InstanceState(tuple(r.snapshot(r.arrival) for r in self.residents.values()),
+                                               self.kv_capacity_tokens, self.iteration_end, tpot_ms)
+        return state
+
+    def tightest_resident_tpot_ms(self) -> float:
+        return min((r.slo.tpot_ms for r in self.residents.values()), default=float("inf"))
+
+
+class Fleet:
+    """Instances by id, the members of each tier, and the idle pool (serving instances with no tier label)."""
+
+    def __init__(self, num_tiers: int):
+        self.instances: dict[str, InstanceView] = {}
+        self.members: list[list[InstanceView]] = [[] for _ in range(num_tiers)]
+        self.idle: list[InstanceView] = []
+
+    def __getitem__(self, instance_id: str) -> InstanceView:
+        view = self.instances.get(instance_id)
+        if view is None:
+            raise KeyError(f"unknown instance {instance_id!r}")
+        return view
+
+    def count(self, *statuses: InstanceStatus) -> int:
+        return sum(1 for v in self.instances.values() if v.status in statuses)
+
+    def num_live(self) -> int:
+        """Starting or serving: what counts toward the instance limits (draining ones are on their way out)."""
+        return self.count(InstanceStatus.STARTING, InstanceStatus.READY)
+
+    def idle_empty(self) -> list[InstanceView]:
+        return [v for v in self.idle if not v.residents]

@@ -1,0 +1,137 @@
+"""Starts and stops engine processes on this machine: `python -m cluster.worker` subprocesses, one per GPU (its own
+CUDA_VISIBLE_DEVICES) or, for emulated engines, as many as asked on a CPU box. The service drains an instance
+before it asks for the stop; cold start (spawn to READY) is measured here, spawn to Hello by the service."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class LaunchError(RuntimeError):
+    """A worker process did not come up."""
+
+
+@dataclass(slots=True, eq=False)
+class _Process:
+    proc: asyncio.subprocess.Process
+    gpu: str | None
+    spawned: float
+
+
+class LocalLauncher:
+    def __init__(self, worker_args: Sequence[str] = (), *, gpus: Sequence[str] = (), host: str = "127.0.0.1",
+                 python: str = sys.executable, ready_timeout_s: float = 120.0, env: dict[str, str] | None = None):
+        """`worker_args`: arguments every worker gets (executor, model, time scale, ...). `gpus`: device ids, one
+        worker each; empty: no GPU assignment (CPU or emulated)."""
+        self.worker_args, self.gpus, self.host, self.python = list(worker_args), list(gpus), host, python
+        self.ready_timeout_s = ready_timeout_s
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), self.env.get("PYTHONPATH")]))
+        self.processes: dict[str, _Process] = {}
+        self.cold_starts: list[float] = []  # seconds from spawn to READY, every successful start
+
+    @property
+    def capacity(self) -> int | None:
+        """How many workers can run at once (one per GPU); None: no bound here."""
+        return len(self.gpus) if self.gpus else None
+
+    async def start(self, instance_id: str) -> tuple[str, int]:
+        """Spawns a worker and waits until it listens; returns (host, port)."""
+        if instance_id in self.processes:
+            raise LaunchError(f"instance {instance_id!r} is already running")
+        gpu = None
+        env = self.env
+        if self.gpus:
+            used = {p.gpu for p in self.processes.values()}
+            gpu = next((g for g in self.gpus if g not in used), None)
+            if gpu is None:
+                raise LaunchError(f"every GPU ({', '.join(self.gpus)}) already runs a worker")
+            env = {**env, "CUDA_VISIBLE_DEVICES": gpu}
+        spawned = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            self.python, "-m", "cluster.worker", "--host", self.host, "--port", "0", "--instance-id", instance_id,
+            *self.worker_args, cwd=str(REPO_ROOT), env=env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE)
+        self.processes[instance_id] = _Process(proc, gpu, spawned)
+        try:
+            port = await asyncio.wait_for(self._read_port(proc), self.ready_timeout_s)
+        except BaseException as e:
+            self.kill(instance_id)
+            await self._reap(instance_id)
+            if isinstance(e, asyncio.TimeoutError):
+                raise LaunchError(f"worker {instance_id} was not ready within {self.ready_timeout_s:g} s") from None
+            raise
+        self.cold_starts.append(time.monotonic() - spawned)
+        asyncio.get_running_loop().create_task(self._forward_stdout(instance_id, proc))
+        return self.host, port
+
+    @staticmethod
+    async def _read_port(proc: asyncio.subprocess.Process) -> int:
+        while True:
+            line = await proc.stdout.readline()
+            if not line:
+                raise LaunchError(f"worker exited with status {await proc.wait()} before it was ready")
+            text = line.decode(errors="replace").strip()
+            if text.startswith("READY "):
+                return int(text.split()[1])
+
+    @staticmethod
+    async def _forward_stdout(instance_id: str, proc: asyncio.subprocess.Process) -> None:
+        """Keeps reading what the worker prints after READY, so a full pipe never blocks it."""
+        while line := await proc.stdout.readline():
+            log.info("[%s] %s", instance_id, line.decode(errors="replace").rstrip())
+
+    def pid(self, instance_id: str) -> int | None:
+        p = self.processes.get(instance_id)
+        return None if p is None else p.proc.pid
+
+    def spawned_at(self, instance_id: str) -> float | None:
+        p = self.processes.get(instance_id)
+        return None if p is None else p.spawned
+
+    def kill(self, instance_id: str) -> None:
+        """SIGKILL, for a worker that died or hangs; `stop` reaps it."""
+        p = self.processes.get(instance_id)
+        if p is not None and p.proc.returncode is None:
+            try:
+                p.proc.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def stop(self, instance_id: str, timeout_s: float = 30.0) -> int | None:
+        """Waits for a (drained) worker to exit, SIGTERM then SIGKILL past the timeout; returns its exit status."""
+        p = self.processes.get(instance_id)
+        if p is None:
+            return None
+        try:
+            await asyncio.wait_for(p.proc.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("worker %s did not exit within %g s; terminating it", instance_id, timeout_s)
+            p.proc.terminate()
+            try:
+                await asyncio.wait_for(p.proc.wait(), 5.0)
+            except asyncio.TimeoutError:
+                p.proc.kill()
+        return await self._reap(instance_id)
+
+    async def _reap(self, instance_id: str) -> int | None:
+        p = self.processes.pop(instance_id, None)
+        if p is None:
+            return None
+        return await p.proc.wait()
+
+    async def close(self) -> None:
+        for instance_id in list(self.processes):
+            self.kill(instance_id)
+            await self._reap(instance_id)

@@ -1,0 +1,417 @@
+"""One simulated engine instance: the engine's step semantics (engine/engine.py) in virtual time, driven by the real
+batch policy object, with the latency model standing in for the GPU.
+
+Per step, as the engine does: ask `policy.schedule(now, running, waiting, KvState)`; preempt what it names (recompute:
+the KV is dropped, the tokens kept, the request goes back to the queue in arrival order); give every planned request
+its blocks, ceil(tokens / block_size) each, skipping one that does not fit; the step lasts `model.predict(prefill
+tokens, decode seqs, KV tokens)`; at its end every request whose whole context is computed emits a token, and those
+with their output complete leave and free their blocks. `policy.observe` gets the step's StepStats.
+
+Decode runs. With nothing waiting, a policy that schedules every running request for one decode token is asked
+again next step with the same residents one token longer, and makes the same choice (every policy of scheduler/
+does: they only ever withhold a decode for lack of budget or KV). So from such a step on, the instance runs
+without asking the policy until a resident finishes, a request arrives, or the next step's blocks would not fit;
+the steps' emit times are applied to all residents at once (the per-token deadline check is a running max per
+distinct TPOT, not a loop over requests per step). `fast_forward=False` asks the policy every step; the tests
+check the two give identical results.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from dataclasses import dataclass, field
+from typing import Callable
+
+from scheduler.latency_model import LatencyModel
+from scheduler.slo import SLO
+from scheduler.types import BatchPolicy, KvState, StepStats
+
+RUN_CHUNK_STEPS = 64  # steps of a decode run laid out at a time: bounds the work thrown away when one is cut
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """A request inside the simulator. Satisfies scheduler.types.SchedulableRequest (plain fields, no properties:
+    policies read them every step) and carries its own latency record."""
+    request_id: str
+    arrival: float
+    slo: SLO
+    tier: str
+    num_prompt_tokens: int
+    max_tokens: int  # the output cap policies see
+    output_len: int  # the true output length: the request ends after this many tokens (the emulated engine's EOS)
+    num_tokens: int = 0  # prompt + output so far
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_blocks: int = 0
+    # latency record, seconds of virtual time
+    first_token_time: float = math.nan
+    last_token_time: float = math.nan
+    finish_time: float = math.nan
+    worst_lateness: float = -math.inf  # max over tokens of emit - deadline
+    max_gap: float = 0.0
+    num_preemptions: int = 0
+    host: int = -1  # the instance it was placed on
+    host_tier: str = ""  # the tier of that instance when placed (differs from `tier` when promoted)
+    placed_at: float = math.nan
+    token_times: list[float] | None = None  # every emit time, kept only when asked (tests, calibration)
+    deadline0: float = field(init=False)  # first-token deadline
+    tpot_s: float = field(init=False)
+
+    def __post_init__(self):
+        if self.num_prompt_tokens < 1 or self.output_len < 1 or self.max_tokens < self.output_len:
+            raise ValueError(f"request {self.request_id}: needs a prompt, an output, and max_tokens >= output_len")
+        self.num_tokens = self.num_prompt_tokens
+        self.deadline0 = self.arrival + self.slo.ttft_ms / 1000.0
+        self.tpot_s = self.slo.tpot_ms / 1000.0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_output_tokens >= self.output_len
+
+    def emit(self, t: float) -> None:
+        n = self.num_output_tokens
+        late = t - (self.deadline0 + n * self.tpot_s)
+        if late > self.worst_lateness:
+            self.worst_lateness = late
+        if n == 0:
+            self.first_token_time = t
+        elif t - self.last_token_time > self.max_gap:
+            self.max_gap = t - self.last_token_time
+        self.last_token_time = t
+        self.num_output_tokens = n + 1
+        self.num_tokens += 1
+        if self.token_times is not None:
+            self.token_times.append(t)
+
+
+IDLE, STEP, RUN = 0, 1, 2
+
+
+class SimInstance:
+    """The engine's step loop for one instance. The simulator owns the clock: it calls `on_event(t)` at the time
+    `event_time` it was told (whenever `version` is unchanged), and `enqueue` when a request is placed here."""
+
+    def __init__(self, index: int, policy: BatchPolicy, model: LatencyModel, num_blocks: int, block_size: int,
+                 schedule_event: Callable[["SimInstance", float], None],
+                 on_finish: Callable[["SimInstance", list[SimRequest], float], None], fast_forward: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.index, self.policy, self.model = index, policy, model
+        self.block_size, self.num_total_blocks = block_size, num_blocks
+        self.free_blocks = num_blocks
+        self.schedule_event, self.on_finish = schedule_event, on_finish
+        self.fast_forward = fast_forward
+        self.waiting: list[SimRequest] = []  # arrival order, as the engine keeps it
+        self.running: list[SimRequest] = []  # admission order
+        self.state = IDLE
+        self.event_time = math.inf
+        self.version = 0  # bumped whenever the pending event moves, so stale heap entries are skipped
+        # the regular step in flight
+        self._items: list[tuple[SimRequest, int]] = []
+        self._step_start = self._step_end = 0.0
+        self._shape = (0, 0, 0)
+        # the decode run in flight: steps [0, _run_len) from _run_start; emit times of the laid-out chunk in _ends
+        self._run_len = 0
+        self._run_base = 0  # run step index of _ends[0]
+        self._run_applied = 0  # entries of _ends already applied to the residents
+        self._run_start = 0.0
+        self._run_kv0 = 0  # KV tokens of the run's first step
+        self._ends: list[float] = []
+        self._tpots: list[float] = []  # distinct TPOTs (s) among the run's residents
+        # figures
+        self.busy_time = 0.0
+        self.num_steps = 0
+        self.num_policy_calls = 0
+        self.num_preemptions = 0
+
+    # ---- what the router sees -------------------------------------------------------------------------------
+    @property
+    def num_residents(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def iteration_end(self, now: float) -> float:
+        """When the iteration in flight at `now` ends (`now` when idle). Brings the residents up to `now`."""
+        if self.state == RUN:
+            self._apply_run_until(now)
+            return self._ends[self._run_applied]
+        if self.state == STEP:
+            return self._step_end
+        return now
+
+    def current_iteration_s(self) -> float:
+        """Predicted (= simulated) time of the iteration in flight; 0 when idle: the router's load figure."""
+        if self.state == IDLE:
+            return 0.0
+        if self.state == STEP:
+            return self._step_end - self._step_start
+        i = self._run_applied
+        return self._ends[i] - (self._ends[i - 1] if i else self._chunk_start)
+
+    def sync(self, now: float) -> None:
+        """Apply every step that ended before `now` to the residents (a decode run applies lazily)."""
+        if self.state == RUN:
+            self._apply_run_until(now)
+
+    # ---- driven by the simulator ----------------------------------------------------------------------------
+    def enqueue(self, req: SimRequest, now: float) -> None:
+        req.host = self.index
+        req.placed_at = now
+        if self.state == RUN:
+            self._cut_run(now)  # the next step boundary must see the newcomer
+        insort(self.waiting, req, key=_arrival)
+        if self.state == IDLE:
+            self._set_event(now)  # at `now`, after every other arrival at `now` (the simulator orders them so)
+
+    def on_event(self, t: float) -> None:
+        if self.state == STEP:
+            self._finish_step(t)
+        elif self.state == RUN:
+            self._apply_run_until(math.inf)
+            if self._run_base + len(self._ends) < self._run_len:
+                self._lay_out_chunk()
+                return
+            self._end_run(t)
+        self._start_step(t)
+
+    # ---- regular steps --------------------------------------------------------------------------------------
+    def _set_event(self, t: float) -> None:
+        self.event_time = t
+        self.version += 1
+        self.schedule_event(self, t)
+
+    def _start_step(self, now: float) -> None:
+        if not self.running and not self.waiting:
+            self.state, self.event_time = IDLE, math.inf
+            return
+        bs = self.block_size
+        self.num_policy_calls += 1
+        plan = self.policy.schedule(now, self.running, self.waiting, KvState(bs, self.free_blocks,
+                                                                            self.num_total_blocks))
+        for req in plan.preempted:
+            self._preempt(req)
+        items = []
+        num_decode = num_new = num_kv = 0
+        free = self.free_blocks
+        for req, n in plan.scheduled:
+            if n <= 0:
+                continue
+            computed = req.num_computed_tokens
+            need = -(-(computed + n) // bs) - req.num_blocks
+            if need > 0:
+                if need > free:
+                    continue  # the engine's _admit skips what does not fit
+                free -= need
+                req.num_blocks += need
+            items.append((req, n))
+            num_new += n
+            num_kv += computed + n
+            if n == 1 and req.num_output_tokens and computed == req.num_tokens - 1:
+                num_decode += 1
+        self.free_blocks = free
+        if not items:
+            # nothing fits: the live engine would spin until something changes; here the next placement wakes it
+            self.state, self.event_time = IDLE, math.inf
+            return
+        self._admit_newcomers(items)
+        duration = self.model.predict(num_new - num_decode, num_decode, num_kv)
+        if (self.fast_forward and num_decode == len(items) == len(self.running) and not self.waiting
+                and not plan.preempted):
+            self._start_run(now, duration, num_kv)
+            return
+        self.state = STEP
+        self._items = items
+        self._step_start, self._step_end = now, now + duration
+        self._shape = (num_new - num_decode, num_decode, num_kv)
+        self._set_event(now + duration)
+
+    def _admit_newcomers(self, items: list[tuple[SimRequest, int]]) -> None:
+        waiting = self.waiting
+        if not waiting:
+            return
+        running_ids = {id(r) for r in self.running}
+        newcomers = [r for r, _ in items if id(r) not in running_ids]
+        if newcomers:
+            gone = {id(r) for r in newcomers}
+            self.waiting = [r for r in waiting if id(r) not in gone]
+            self.running.extend(newcomers)
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.free_blocks += req.num_blocks
+        req.num_blocks = req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if req in self.running:
+            self.running.remove(req)
+            insort(self.waiting, req, key=_arrival)
+
+    def _finish_step(self, t: float) -> None:
+        finished = []
+        for req, n in self._items:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.emit(t)
+                if req.num_output_tokens >= req.output_len:
+                    finished.append(req)
+        num_prefill, num_decode, num_kv = self._shape
+        self._items = []
+        self._record_step(self._step_start, t - self._step_start, num_prefill, num_decode, num_kv)
+        if finished:
+            self._retire(finished, t)
+
+    def _retire(self, finished: list[SimRequest], t: float) -> None:
+        gone = set()
+        for req in finished:
+            req.finish_time = t
+            self.free_blocks += req.num_blocks
+            req.num_blocks = 0
+            gone.add(id(req))
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.on_finish(self, finished, t)
+
+    def _record_step(self, start: float, duration: float, num_prefill: int, num_decode: int, num_kv: int) -> None:
+        self.busy_time += duration
+        self.num_steps += 1
+        self.policy.observe(StepStats(start, duration, num_prefill, num_decode, num_kv,
+                                      self.num_total_blocks - self.free_blocks, len(self.running),
+                                      len(self.waiting)))
+
+    # ---- decode runs ----------------------------------------------------------------------------------------
+    def _start_run(self, now: float, first_duration: float, kv0: int) -> None:
+        residents = self.running
+        bs = self.block_size
+        finish_in = min(r.output_len - r.num_output_tokens for r in residents)
+        # steps 1.. need ceil((c + i + 1) / bs) blocks each; the first step's are already held
+        free = self.free_blocks
+
+        def extra_blocks(i: int) -> int:
+            return sum(max(0, -(-(r.num_computed_tokens + i + 1) // bs) - r.num_blocks) for r in residents)
+
+        lo, hi = 0, finish_in - 1  # step lo fits; find the last step index that fits
+        if extra_blocks(hi) <= free:
+            lo = hi
+        else:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if extra_blocks(mid) <= free else (lo, mid)
+        self.state = RUN
+        self._run_len = lo + 1
+        self._run_start = now
+        self._run_kv0 = kv0
+        self._run_base = 0
+        self._tpots = sorted({r.tpot_s for r in residents})
+        self._ends = []
+        self._run_applied = 0
+        self._chunk_start = now
+        self._first_duration = first_duration
+        self._lay_out_chunk()
+
+    def _lay_out_chunk(self) -> None:
+        """Emit times of the run's next chunk of steps; the event goes at the chunk's last one."""
+        base = self._run_base + len(self._ends)
+        t = self._ends[-1] if self._ends else self._run_start
+        self._chunk_start = t
+        count = min(self._run_len - base, RUN_CHUNK_STEPS)
+        predict = self.model.predict
+        b = len(self.running)
+        kv = self._run_kv0 + b * base
+        ends = []
+        for i in range(base, base + count):
+            t += self._first_duration if i == 0 else predict(0, b, kv)
+            ends.append(t)
+            kv += b
+        self._ends = ends
+        self._run_base = base
+        self._run_applied = 0
+        self._set_event(ends[-1])
+
+    def _apply_run_until(self, now: float) -> None:
+        """Apply to the residents every laid-out step that ended before `now`."""
+        ends = self._ends
+        a = self._run_applied
+        k = bisect_left(ends, now, lo=a)
+        if k == len(ends) and now != math.inf:
+            k = len(ends) - 1  # the chunk's last step ends at the event time; it is applied by on_event
+        if k <= a:
+            return
+        self._apply_steps(a, k)
+
+    def _apply_steps(self, a: int, k: int) -> None:
+        """Steps a..k-1 of the current chunk happened: every resident emitted one token at each."""
+        ends = self._ends
+        b = len(self.running)
+        prev = ends[a - 1] if a else self._chunk_start
+        # per distinct TPOT, the worst of (emit - step offset * tpot); per-step gaps are shared
+        worst = {}
+        for tau in self._tpots:
+            w = -math.inf
+            for j in range(a, k):
+                v = ends[j] - (j - a) * tau
+                if v > w:
+                    w = v
+            worst[tau] = w
+        gap = 0.0
+        for j in range(a + 1, k):
+            g = ends[j] - ends[j - 1]
+            if g > gap:
+                gap = g
+        steps = k - a
+        last = ends[k - 1]
+        in_flight = 1 if (self._run_base + k < self._run_len) else 0
+        bs = self.block_size
+        free = self.free_blocks
+        for r in self.running:
+            n = r.num_output_tokens
+            late = worst[r.tpot_s] - (r.deadline0 + n * r.tpot_s)
+            if late > r.worst_lateness:
+                r.worst_lateness = late
+            g = ends[a] - r.last_token_time
+            if gap > g:
+                g = gap
+            if g > r.max_gap:
+                r.max_gap = g
+            r.last_token_time = last
+            r.num_output_tokens = n + steps
+            r.num_tokens += steps
+            r.num_computed_tokens += steps
+            need = -(-(r.num_computed_tokens + in_flight) // bs) - r.num_blocks
+            if need > 0:
+                r.num_blocks += need
+                free -= need
+            if r.token_times is not None:
+                r.token_times.extend(ends[a:k])
+        self.free_blocks = free
+        record = self._record_step
+        base = self._run_base
+        for j in range(a, k):
+            i = base + j
+            record(prev, ends[j] - prev, 0, b, self._run_kv0 + b * i)
+            prev = ends[j]
+        self._run_applied = k
+
+    def _end_run(self, t: float) -> None:
+        """The run's last step ended at t: its finishers leave."""
+        finished = [r for r in self.running if r.num_output_tokens >= r.output_len]
+        self.state = IDLE
+        self._ends = []
+        if finished:
+            self._retire(finished, t)
+
+    def _cut_run(self, now: float) -> None:
+        """A request arrives mid-run: the step in flight becomes a regular step, and the policy decides the next."""
+        self._apply_run_until(now)
+        i = self._run_applied
+        start = self._ends[i - 1] if i else self._chunk_start
+        end = self._ends[i]
+        b = len(self.running)
+        self.state = STEP
+        self._items = [(r, 1) for r in self.running]
+        self._step_start, self._step_end = start, end
+        self._shape = (0, b, self._run_kv0 + b * (self._run_base + i))
+        self._ends = []
+        if end != self.event_time:
+            self._set_event(end)
+
+
+def _arrival(req: SimRequest) -> float:
+    return req.arrival

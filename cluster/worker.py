@@ -1,0 +1,318 @@
+"""An engine process serving the cluster protocol (DESIGN.md §5).
+
+    python -m cluster.worker --port 0 --executor emulated [--time-scale 0.5] [--num-kv-blocks N] ...
+
+Prints `READY <port>` on stdout once it listens. Every connection (normally one: the router's) gets Hello first,
+then for its own requests Tokens / Finish / Error frames, and for every engine step a StepReport (batch shape,
+iteration time, KV use, all residents); a Heartbeat every `--heartbeat-s`. Drain: new submits are answered with a
+`draining` error, residents finish, every connection gets Drained, and the process exits.
+
+Prompts arrive as token ids (the router tokenizes); the engine detokenizes with the model folder's tokenizer, so
+stop strings cut exactly where they would in one process, and text deltas travel with the tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from cluster import protocol as p
+from cluster.emulation import emulated_latency_model, kv_blocks_for_gpu
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import Engine, InvalidRequestError, RequestOutput
+from engine.llm import build_engine
+from engine.sampling_params import SamplingParams
+from scheduler.slo import SLO
+from scheduler.types import BatchPolicy, StepStats
+
+log = logging.getLogger(__name__)
+
+MAX_WRITE_BUFFER_BYTES = 64 << 20  # a peer that reads nothing for this long is gone; its connection is closed
+
+
+class ResidentRecorder:
+    """The engine's batch policy, plus a record of who is resident after each step.
+
+    `observe` runs on the engine thread right after a step's tokens are appended, so the record is a consistent
+    picture; reading the engine's lists from the event loop instead would race the next step."""
+
+    def __init__(self, inner: BatchPolicy):
+        self.inner = inner
+        self.engine: Engine | None = None
+        self.residents: list[p.Resident] = []
+
+    def schedule(self, now, running, waiting, kv):
+        return self.inner.schedule(now, running, waiting, kv)
+
+    def observe(self, stats: StepStats) -> None:
+        self.inner.observe(stats)
+        engine = self.engine
+        self.residents = [p.Resident(r.request_id, r.num_prompt_tokens, r.num_computed_tokens, r.num_output_tokens)
+                          for group in (engine.running, engine.waiting) for r in group]
+
+
+@dataclass(slots=True, eq=False)
+class _Connection:
+    writer: asyncio.StreamWriter
+    peer: str
+    requests: dict[str, asyncio.Task] = field(default_factory=dict)
+    deltas: list[p.TokenDelta] = field(default_factory=list)
+    frames: list[bytes] = field(default_factory=list)  # encoded, written after this flush's Tokens frame
+
+    def add(self, msg) -> None:
+        self.frames.append(p.encode_frame(msg))
+
+
+class Worker:
+    def __init__(self, engine: Engine, recorder: ResidentRecorder, *, instance_id: str, executor: str,
+                 heartbeat_s: float = 0.5, clock=time.monotonic):
+        if not heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be positive, got {heartbeat_s}")
+        recorder.engine = engine
+        self.engine, self.recorder = engine, recorder
+        self.async_engine = AsyncEngine(engine, on_step=self._on_step)
+        self.instance_id, self.executor, self.heartbeat_s, self.clock = instance_id, executor, heartbeat_s, clock
+        self.connections: set[_Connection] = set()
+        self.draining = False
+        self.done = asyncio.Event()
+        self._server: asyncio.AbstractServer | None = None
+        self._flush_scheduled = False
+        self._heartbeat_task: asyncio.Task | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Starts the engine and listens; returns the bound port."""
+        await self.async_engine.start()
+        self._server = await asyncio.start_server(self._serve_connection, host, port)
+        self._heartbeat_task = asyncio.create_task(self._heartbeats())
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            self._close(conn)
+        await self.async_engine.stop()
+        self.done.set()
+
+    # ---- connections ----------------------------------------------------------------------------------------
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = "%s:%s" % writer.get_extra_info("peername")[:2]
+        conn = _Connection(writer, peer)
+        self.connections.add(conn)
+        e = self.engine
+        writer.write(p.encode_frame(p.Hello(
+            p.PROTOCOL_VERSION, self.instance_id, os.getpid(), self.clock(), e.executor.num_kv_blocks, e.block_size,
+            e.max_model_len, e.executor.vocab_size, e.tokenizer is not None, self.executor)))
+        try:
+            while True:
+                msg = await p.read_message(reader)
+                if msg is None:
+                    break
+                self._dispatch(conn, msg)
+        except p.ProtocolError as err:
+            log.warning("closing connection from %s: %s", peer, err)
+            conn.add(p.Error("", "protocol", str(err)))
+            self._flush()
+        except ConnectionError as err:
+            log.info("connection from %s lost: %s", peer, err)
+        finally:
+            self._close(conn)
+
+    def _dispatch(self, conn: _Connection, msg) -> None:
+        if isinstance(msg, p.Submit):
+            if self.draining:
+                conn.add(p.Error(msg.request_id, "draining", f"instance {self.instance_id} is draining"))
+                self._schedule_flush()
+            elif msg.request_id in conn.requests:
+                conn.add(p.Error(msg.request_id, "invalid", f"request id {msg.request_id!r} is already in use"))
+                self._schedule_flush()
+            else:
+                conn.requests[msg.request_id] = asyncio.create_task(self._serve_request(conn, msg))
+        elif isinstance(msg, p.Abort):
+            if msg.request_id in conn.requests:  # only a connection's own requests
+                self.async_engine.abort(msg.request_id)
+        elif isinstance(msg, p.Drain):
+            self.draining = True
+            self._maybe_drained()
+        else:
+            raise p.ProtocolError(f"a worker does not accept {type(msg).__name__} frames")
+
+    def _close(self, conn: _Connection) -> None:
+        if conn not in self.connections:
+            return
+        self.connections.discard(conn)
+        for task in conn.requests.values():
+            task.cancel()  # leaving the engine's stream aborts the request and frees its KV
+        conn.writer.close()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    async def _serve_request(self, conn: _Connection, msg: p.Submit) -> None:
+        rid = msg.request_id
+        seen = 0  # tokens already sent: the engine's token_times list keeps growing on its thread, so slice by count
+        try:
+            s = msg.sampling
+            params = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, s.max_tokens, list(s.stop),
+                                    list(s.stop_token_ids), s.ignore_eos, s.logprobs)
+            slo = SLO(msg.slo.ttft_ms, msg.slo.tpot_ms) if msg.slo is not None else None
+            arrival = self.clock() - max(0.0, msg.queued_s)
+            async for out in self.async_engine.generate(rid, msg.prompt_token_ids, params, slo, arrival):
+                n = len(out.new_token_ids)
+                if n or out.new_text:
+                    logprobs = out.logprobs[seen:seen + n] if out.logprobs is not None else None
+                    conn.deltas.append(p.TokenDelta(rid, out.new_token_ids, out.new_text,
+                                                    out.token_times[seen:seen + n], logprobs))
+                    seen += n
+                if out.finished:
+                    conn.add(self._final(out))
+                self._schedule_flush()
+        except (InvalidRequestError, ValueError) as err:
+            conn.add(p.Error(rid, "invalid", str(err)))
+            self._schedule_flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the request ends with an answer, whatever went wrong
+            log.exception("request %s failed", rid)
+            conn.add(p.Error(rid, "engine", f"{type(err).__name__}: {err}"))
+            self._schedule_flush()
+        finally:
+            conn.requests.pop(rid, None)
+            if self.draining:
+                self._maybe_drained()
+
+    @staticmethod
+    def _final(out: RequestOutput):
+        if out.finish_reason == "error":
+            return p.Error(out.request_id, "engine", out.error or "engine error")
+        return p.Finish(out.request_id, out.finish_reason, len(out.token_ids), out.num_cached_tokens)
+
+    def _maybe_drained(self) -> None:
+        if any(conn.requests for conn in self.connections):
+            return
+        for conn in self.connections:
+            conn.add(p.Drained())
+        self._flush()
+        asyncio.get_running_loop().create_task(self.stop())
+
+    # ---- reports --------------------------------------------------------------------------------------------
+    def _on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        e = self.engine
+        frame = p.encode_frame(p.StepReport(
+            stats.start, stats.duration, stats.num_prefill_tokens, stats.num_decode_seqs, stats.num_kv_tokens,
+            stats.num_blocks_used, e.executor.num_kv_blocks, stats.num_running, stats.num_waiting,
+            self.recorder.residents))
+        for conn in self.connections:
+            conn.frames.append(frame)
+        # the step's outputs reach their request tasks in this loop turn; flushing on the next keeps them together
+        self._schedule_flush()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            beat = p.encode_frame(p.Heartbeat(self.clock(), len(self.engine.running), len(self.engine.waiting)))
+            for conn in self.connections:
+                conn.frames.append(beat)
+            self._flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        for conn in list(self.connections):
+            if not (conn.deltas or conn.frames):
+                continue
+            chunks = []
+            if conn.deltas:
+                chunks.append(p.encode_frame(p.Tokens(conn.deltas)))
+                conn.deltas = []
+            chunks.extend(conn.frames)
+            conn.frames = []
+            conn.writer.write(b"".join(chunks))
+            if conn.writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
+                log.warning("closing connection from %s: it has not read %d bytes", conn.peer,
+                            conn.writer.transport.get_write_buffer_size())
+                self._close(conn)
+
+
+def build_worker_engine(args: argparse.Namespace) -> tuple[Engine, ResidentRecorder]:
+    from scheduler.edf import EDFPolicy
+    from scheduler.policy import FCFSPolicy
+    from scheduler.polyserve import PolyServePolicy
+
+    step_time = None
+    latency_model = emulated_latency_model(args.time_scale)
+    num_kv_blocks = args.num_kv_blocks
+    if args.executor == "emulated":
+        step_time = latency_model.predict
+        if num_kv_blocks is None:
+            num_kv_blocks = kv_blocks_for_gpu(args.block_size)
+    config = EngineConfig(model=args.model, device=args.device, executor=args.executor, block_size=args.block_size,
+                          num_kv_blocks=num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    default_slo = SLO(args.default_ttft_ms, args.default_tpot_ms)
+    if args.batch_policy == "polyserve":
+        if args.executor == "model":
+            from scheduler.online_fit import OnlineLatencyModel
+
+            latency_model = OnlineLatencyModel(latency_model)
+        policy = PolyServePolicy(latency_model, default_slo, args.max_num_seqs, args.max_num_batched_tokens)
+    elif args.batch_policy == "edf":
+        policy = EDFPolicy(default_slo, args.max_num_seqs, args.max_num_batched_tokens)
+    else:
+        policy = FCFSPolicy(args.max_num_batched_tokens, args.max_num_seqs)
+    recorder = ResidentRecorder(policy)
+    return build_engine(config, recorder, step_time), recorder
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0: any free port (printed as READY <port>)")
+    ap.add_argument("--instance-id", default=f"worker-{os.getpid()}")
+    ap.add_argument("--executor", choices=("emulated", "model"), default="emulated")
+    ap.add_argument("--model", default=None, help="Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="emulated default: what Llama-3.1-8B leaves on a 141 GB H200 at 90%% use")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="emulated iteration time = this x roofline(Llama-3.1-8B, H200)")
+    ap.add_argument("--batch-policy", choices=("fcfs", "edf", "polyserve"), default="polyserve")
+    ap.add_argument("--default-ttft-ms", type=float, default=1000.0, help="SLO of requests that carry none")
+    ap.add_argument("--default-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    return ap.parse_args(argv)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    engine, recorder = build_worker_engine(args)
+    worker = Worker(engine, recorder, instance_id=args.instance_id, executor=args.executor,
+                    heartbeat_s=args.heartbeat_s)
+    port = await worker.start(args.host, args.port)
+    print(f"READY {port}", flush=True)
+    await worker.done.wait()
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    asyncio.run(_main(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
