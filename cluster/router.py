@@ -18,6 +18,8 @@ Interface (the caller tells the router what happened; the router answers what to
   Requests
     submit(request, now, readmit=False)      place, queue or refuse (a Decision). Placed: send it there.
         -> Decision                          readmit: an accepted request placed again; the queue bound is waived
+    on_placed(request, id, now)              record a placement decided elsewhere (a restored state, a test's
+                                             hand-built fleet); an idle instance joins the request's tier
     on_report(id, report, now)               after each engine step: progress of every resident, end of the step
     on_finished(request_id, n_out, now,      left its instance (finished, aborted, failed); completed=True adds
                 completed=True)              n_out to its tier's output-length mean; may release the instance
@@ -216,6 +218,16 @@ class Router:
         self.requests[req.request_id] = req
         self._log(now, "queued", req.request_id, None, req.tier)
         return Decision(Outcome.QUEUED)
+
+    def on_placed(self, req: RoutedRequest, instance_id: str, now: float) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request {req.request_id!r} is already placed or queued")
+        view = self.fleet[instance_id]
+        if view.status is not InstanceStatus.READY:
+            raise ValueError(f"instance {instance_id!r} is {view.status.value}, not serving")
+        how = How.BASELINE if self.policy != "polyserve" else \
+            How.SCALED_UP if view.tier is None else How.OWN if view.tier == req.tier else How.PROMOTED
+        self._apply(req, view, how, now)
 
     def on_report(self, instance_id: str, report: InstanceReport, now: float) -> None:
         view = self.fleet.instances.get(instance_id)

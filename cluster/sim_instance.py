@@ -94,10 +94,12 @@ class SimInstance:
 
     def __init__(self, index: int, policy: BatchPolicy, model: LatencyModel, num_blocks: int, block_size: int,
                  schedule_event: Callable[["SimInstance", float], None],
-                 on_finish: Callable[["SimInstance", list[SimRequest], float], None], fast_forward: bool = True):
+                 on_finish: Callable[["SimInstance", list[SimRequest], float], None], fast_forward: bool = True,
+                 instance_id: str = ""):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.index, self.policy, self.model = index, policy, model
+        self.instance_id = instance_id or f"i{index}"
         self.block_size, self.num_total_blocks = block_size, num_blocks
         self.free_blocks = num_blocks
         self.schedule_event, self.on_finish = schedule_event, on_finish
@@ -120,6 +122,7 @@ class SimInstance:
         self._ends: list[float] = []
         self._tpots: list[float] = []  # distinct TPOTs (s) among the run's residents
         # figures
+        self.last_end = 0.0  # end of the last step applied: what its latest report describes
         self.busy_time = 0.0
         self.num_steps = 0
         self.num_policy_calls = 0
@@ -272,6 +275,7 @@ class SimInstance:
     def _record_step(self, start: float, duration: float, num_prefill: int, num_decode: int, num_kv: int) -> None:
         self.busy_time += duration
         self.num_steps += 1
+        self.last_end = start + duration
         self.policy.observe(StepStats(start, duration, num_prefill, num_decode, num_kv,
                                       self.num_total_blocks - self.free_blocks, len(self.running),
                                       len(self.waiting)))

@@ -20,15 +20,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import msgspec
-
 from cluster import protocol as p
-from cluster.emulation import emulated_latency_model, kv_blocks_for_gpu
+from cluster.emulation import ScaledLatencyModel, emulated_latency_model, kv_blocks_for_gpu
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine, InvalidRequestError, RequestOutput
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
+from scheduler.edf import EDFPolicy
+from scheduler.policy import FCFSPolicy
+from scheduler.polyserve import PolyServePolicy
+from scheduler.profile_table import ProfileTable
 from scheduler.slo import SLO
 from scheduler.types import BatchPolicy, StepStats
 
@@ -81,6 +83,7 @@ class Worker:
         self.instance_id, self.executor, self.heartbeat_s, self.clock = instance_id, executor, heartbeat_s, clock
         self.connections: set[_Connection] = set()
         self.draining = False
+        self._drained = False
         self.done = asyncio.Event()
         self._server: asyncio.AbstractServer | None = None
         self._flush_scheduled = False
@@ -195,8 +198,9 @@ class Worker:
         return p.Finish(out.request_id, out.finish_reason, len(out.token_ids), out.num_cached_tokens)
 
     def _maybe_drained(self) -> None:
-        if any(conn.requests for conn in self.connections):
+        if self._drained or any(conn.requests for conn in self.connections):
             return
+        self._drained = True
         for conn in self.connections:
             conn.add(p.Drained())
         self._flush()
@@ -246,12 +250,11 @@ class Worker:
 
 
 def build_worker_engine(args: argparse.Namespace) -> tuple[Engine, ResidentRecorder]:
-    from scheduler.edf import EDFPolicy
-    from scheduler.policy import FCFSPolicy
-    from scheduler.polyserve import PolyServePolicy
-
     step_time = None
-    latency_model = emulated_latency_model(args.time_scale)
+    if args.latency_profile:
+        latency_model = ScaledLatencyModel(ProfileTable.load(args.latency_profile), args.time_scale)
+    else:
+        latency_model = emulated_latency_model(args.time_scale)
     num_kv_blocks = args.num_kv_blocks
     if args.executor == "emulated":
         step_time = latency_model.predict
@@ -286,8 +289,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="emulated default: what Llama-3.1-8B leaves on a 141 GB H200 at 90%% use")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--latency-profile", default=None,
+                    help="profile JSON for the step time and the policy (default: roofline Llama-3.1-8B on H200)")
     ap.add_argument("--time-scale", type=float, default=1.0,
-                    help="emulated iteration time = this x roofline(Llama-3.1-8B, H200)")
+                    help="emulated iteration time = this x the latency model's prediction")
     ap.add_argument("--batch-policy", choices=("fcfs", "edf", "polyserve"), default="polyserve")
     ap.add_argument("--default-ttft-ms", type=float, default=1000.0, help="SLO of requests that carry none")
     ap.add_argument("--default-tpot-ms", type=float, default=100.0)

@@ -230,7 +230,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         writer = ResponseWriter(request_id, backend.model_name, chat)
         progress = _Progress()
         try:
-            if req.stream:
+            if req.stream and first.finish_reason != "error":  # an error before anything was sent: a plain 500
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
                 return await _stream(request, backend.tokenizer, writer, outputs, first, progress,
                                      len(prompt_ids), include_usage)

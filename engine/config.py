@@ -20,6 +20,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kernels: str = "auto"  # auto (reference on the CPU, Triton on CUDA) | reference | triton | cuda
     enforce_eager: bool = False  # no CUDA graphs
+    policy: str = "fcfs"  # fcfs (static budget, Sarathi-style) | edf | polyserve (multi-SLO, DESIGN.md §2)
+    max_prefill_chunk: int | None = None  # polyserve's cap on one step's prefill tokens (default: the token budget)
+    default_ttft_ms: float = 10_000.0  # the SLO of a request that names none
+    default_tpot_ms: float = 1_000.0
 
     def __post_init__(self):
         if self.executor not in ("model", "emulated"):
@@ -32,5 +36,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.policy not in ("fcfs", "edf", "polyserve"):
+            raise ValueError(f"policy must be fcfs, edf or polyserve, got {self.policy!r}")
         if self.kernels not in ("auto", "reference", "triton", "cuda"):
             raise ValueError(f"kernels must be auto, reference, triton or cuda, got {self.kernels!r}")

@@ -16,6 +16,10 @@ from engine.executor import Executor, StepBatch
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Detokenizer, Tokenizer
+from scheduler.attainability import Attainability, AttainabilityChecker
+from scheduler.instance_state import InstanceState, RequestSnapshot
+from scheduler.latency_model import LatencyModel
+from scheduler.output_length import OutputLengthTracker
 from scheduler.slo import SLO
 from scheduler.types import BatchPolicy, KvState, StepStats, is_decode
 
@@ -49,9 +53,15 @@ class Engine:
     """Owns the requests, the block manager, the batch policy and an executor. Single-threaded: one caller steps it."""
 
     def __init__(self, executor: Executor, policy: BatchPolicy, tokenizer: Tokenizer | None, *, block_size: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], enable_prefix_caching: bool = True,
-                 clock=time.monotonic, stats_history: int = 4096):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], latency_model: LatencyModel, default_slo: SLO,
+                 max_prefill_chunk: int, enable_prefix_caching: bool = True, clock=time.monotonic,
+                 stats_history: int = 4096):
         self.executor, self.policy, self.tokenizer = executor, policy, tokenizer
+        # The latency model learns from every step (if it can) and predicts for the policy and the admission test.
+        self.latency_model, self.default_slo = latency_model, default_slo
+        self.output_lengths = OutputLengthTracker(default_mean=min(256, max_model_len))
+        self.attainability = AttainabilityChecker(latency_model, self.output_lengths, max_prefill_chunk)
+        self.iteration_end = 0.0  # predicted end of the step in flight
         self.block_size, self.max_model_len = block_size, max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
@@ -65,7 +75,7 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    slo: SLO | None = None, arrival: float | None = None) -> Request:
+                    slo: SLO | None = None, arrival: float | None = None, tier: str = "") -> Request:
         """Validates and queues a request; raises InvalidRequestError (the engine is untouched) when it can't run."""
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -81,7 +91,7 @@ class Engine:
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=getattr(self.executor, "device", "cpu")).manual_seed(params.seed)
         req = Request(request_id, next(self._seq_ids), ids, params, self.clock() if arrival is None else arrival,
-                      slo=slo, generator=generator)
+                      slo=slo, tier=tier, generator=generator)
         self.blocks.add_sequence(req.seq_id, ids)
         self.requests[request_id] = req
         self.detok[request_id] = Detokenizer(self.tokenizer, params.stop)
@@ -142,6 +152,7 @@ class Engine:
         num_kv = int(meta.seq_lens.sum())
         batch = StepBatch(meta, [r.params for r in sampled], [r.generator for r in sampled],
                           num_prefill, num_decode, num_kv)
+        self.iteration_end = start + self.latency_model.predict(num_prefill, num_decode, num_kv)
         try:
             tokens, logprobs = self.executor.execute(batch)
         except Exception as e:  # a failed forward ends this batch's requests with an error, not the engine
@@ -160,7 +171,26 @@ class Engine:
                           len(self.waiting))
         self.step_stats.append(stats)
         self.policy.observe(stats)
+        if hasattr(self.latency_model, "observe"):
+            self.latency_model.observe(stats)
         return outputs
+
+    # ---- what the router and admission ask --------------------------------------------------------------------
+    def instance_state(self, tpot_ms: float) -> InstanceState:
+        """The attainability test's view of this engine, held to `tpot_ms` (its tier's TPOT)."""
+        default = self.default_slo
+        residents = [RequestSnapshot.of(r, default, r.tier) for r in (*self.running, *self.waiting)]
+        return InstanceState(residents, self.blocks.num_total_blocks * self.block_size, self.iteration_end, tpot_ms)
+
+    def check_attainable(self, now: float, request: RequestSnapshot, tpot_ms: float | None = None) -> Attainability:
+        """Can this engine take `request` and still meet every resident's SLO and the request's own?"""
+        state = self.instance_state(tpot_ms if tpot_ms is not None else request.slo.tpot_ms)
+        return self.attainability.check(state, request, now)
+
+    def predicted_iteration_time(self) -> float:
+        """Load, as the router ranks engines: the predicted time of a step of the decodes running now."""
+        decodes = [r for r in self.running if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1]
+        return self.latency_model.predict(0, len(decodes), sum(r.num_tokens for r in decodes))
 
     def _admit(self, scheduled) -> list[tuple[Request, int]]:
         """Gives every planned request its KV blocks (prefix-cache hits first for newcomers); drops what can't fit."""
@@ -220,6 +250,8 @@ class Engine:
     def _finish(self, req: Request, reason: str, new_token_ids: list[int] | None = None,
                 error: str | None = None) -> RequestOutput:
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        if reason in ("stop", "length"):
+            self.output_lengths.observe(req.tier, req.num_output_tokens)
         self.blocks.remove_sequence(req.seq_id)
         req.num_blocks = req.num_computed_tokens = 0
         del self.requests[req.request_id]

@@ -11,42 +11,83 @@ from engine.executor import EmulatedExecutor, StepTimeFn
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from scheduler.policy import FCFSPolicy
+from scheduler import (A100_SXM, H100_SXM, H200_SXM, EDFPolicy, FCFSPolicy, GpuSpec, LatencyModel, ModelShape,
+                       OnlineLatencyModel, PolyServePolicy, RooflineLatencyModel)
 from scheduler.slo import SLO
 from scheduler.types import BatchPolicy
 
 
 def build_engine(config: EngineConfig, policy: BatchPolicy | None = None,
-                 step_time: StepTimeFn | None = None) -> Engine:
-    """An engine for `config`. The emulated executor needs `step_time`; the policy defaults to FCFS."""
+                 step_time: StepTimeFn | None = None, latency_model: LatencyModel | None = None) -> Engine:
+    """An engine for `config`.
+
+    `latency_model` predicts step times for the batch policy and the admission test; the engine refines it online
+    from its measured steps. Without one, a roofline estimate for the device and model is the starting point. The
+    emulated executor sleeps `step_time` per step, by default the latency model's own prediction.
+    """
     model_cfg = ModelConfig.from_folder(config.model or default_model_path())
     has_tokenizer = any((Path(model_cfg.path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
     tokenizer = Tokenizer(model_cfg.path) if has_tokenizer else None  # without one, prompts are token ids
     if config.executor == "emulated":
-        if step_time is None:
-            raise ValueError("the emulated executor needs a step_time function")
         if config.num_kv_blocks is None:
             raise ValueError("the emulated executor needs num_kv_blocks")
-        executor = EmulatedExecutor(step_time, config.num_kv_blocks, model_cfg.vocab_size, model_cfg.eos_token_ids)
+        if step_time is None and latency_model is None:
+            raise ValueError("the emulated executor needs a step_time function or a latency model")
+        executor = EmulatedExecutor(step_time or latency_model.predict, config.num_kv_blocks, model_cfg.vocab_size,
+                                    model_cfg.eos_token_ids)
+        dtype_bytes = 2
     else:
         from engine.model_runner import ModelRunner  # torch model code only where a model runs
 
         executor = ModelRunner(model_cfg, config.device, config.dtype, config.block_size, config.num_kv_blocks,
                                config.kv_cache_memory, config.gpu_memory_utilization, config.kernels)
+        dtype_bytes = executor.kv_cache.element_size()
     max_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
     eos = model_cfg.eos_token_ids
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
-    return Engine(executor, policy or FCFSPolicy(config.max_num_batched_tokens, config.max_num_seqs), tokenizer,
-                  block_size=config.block_size, max_model_len=max_len, eos_token_ids=eos,
+    prior = latency_model or RooflineLatencyModel(device_spec(config.device), model_shape(model_cfg, dtype_bytes))
+    online = OnlineLatencyModel(prior, max_prefill_tokens=config.max_num_batched_tokens,
+                                max_decode_seqs=config.max_num_seqs,
+                                max_kv_tokens=executor.num_kv_blocks * config.block_size)
+    default_slo = SLO(config.default_ttft_ms, config.default_tpot_ms)
+    max_chunk = config.max_prefill_chunk or config.max_num_batched_tokens
+    if policy is None:
+        if config.policy == "polyserve":
+            policy = PolyServePolicy(online, default_slo, config.max_num_seqs, config.max_num_batched_tokens,
+                                     max_chunk)
+        elif config.policy == "edf":
+            policy = EDFPolicy(default_slo, config.max_num_seqs, config.max_num_batched_tokens)
+        else:
+            policy = FCFSPolicy(config.max_num_batched_tokens, config.max_num_seqs)
+    return Engine(executor, policy, tokenizer, block_size=config.block_size, max_model_len=max_len,
+                  eos_token_ids=eos, latency_model=online, default_slo=default_slo, max_prefill_chunk=max_chunk,
                   enable_prefix_caching=config.enable_prefix_caching)
+
+
+# A rough prior for a CPU (a few tens of GB/s, a few hundred GFLOP/s); the online fit replaces it within steps.
+CPU = GpuSpec("cpu", memory_bandwidth=20e9, matmul_flops=200e9)
+
+
+def device_spec(device: str) -> GpuSpec:
+    if not device.startswith("cuda"):
+        return CPU
+    import torch
+
+    name = torch.cuda.get_device_name(torch.device(device))
+    return H200_SXM if "H200" in name else A100_SXM if "A100" in name else H100_SXM
+
+
+def model_shape(cfg: ModelConfig, dtype_bytes: int) -> ModelShape:
+    return ModelShape(Path(cfg.path).name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, dtype_bytes)
 
 
 class LLM:
     def __init__(self, model: str | None = None, device: str = "cpu", *, policy: BatchPolicy | None = None,
-                 step_time: StepTimeFn | None = None, **config):
+                 step_time: StepTimeFn | None = None, latency_model: LatencyModel | None = None, **config):
         self.config = EngineConfig(model=model, device=device, **config)
-        self.engine = build_engine(self.config, policy, step_time)
+        self.engine = build_engine(self.config, policy, step_time, latency_model)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

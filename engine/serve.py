@@ -18,14 +18,8 @@ from engine.default_model import NAME as DEFAULT_MODEL_NAME
 from engine.engine_backend import EngineBackend
 from engine.llm import LLM, build_engine
 from engine.sampling_params import SamplingParams
-from scheduler.edf import EDFPolicy
-from scheduler.latency_model import LatencyModel
-from scheduler.online_fit import OnlineLatencyModel
-from scheduler.policy import FCFSPolicy
-from scheduler.polyserve import PolyServePolicy
 from scheduler.profile_table import ProfileTable
 from scheduler.tiers import Tier, TierSet
-from scheduler.types import BatchPolicy
 
 # Four tiers from interactive to batch, tightest first. Round figures chosen to span the range, not measured.
 DEFAULT_TIERS = "tight:20:250,standard:50:500,relaxed:100:1000,batch:250:5000"
@@ -57,18 +51,6 @@ def parse_tiers(spec: str) -> TierSet:
     return TierSet(tiers)
 
 
-def build_policy(name: str, config: EngineConfig, tiers: TierSet, default_tier: str,
-                 latency_model: LatencyModel) -> BatchPolicy:
-    default_slo = tiers.by_name(default_tier).slo
-    if name == "fcfs":
-        return FCFSPolicy(config.max_num_batched_tokens, config.max_num_seqs)
-    if name == "edf":
-        return EDFPolicy(default_slo, config.max_num_seqs, config.max_num_batched_tokens)
-    if name == "polyserve":
-        return PolyServePolicy(latency_model, default_slo, config.max_num_seqs, config.max_num_batched_tokens)
-    raise ValueError(f"policy must be fcfs, edf or polyserve, got {name!r}")
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help=f"Hugging Face folder (default: {DEFAULT_MODEL_NAME})")
@@ -78,8 +60,9 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--executor", choices=("model", "emulated"), default="model")
     ap.add_argument("--latency-profile", default=None,
-                    help="profile JSON (scheduler/profiles/): the emulated step time and the policy's and admission's "
-                         "latency model; default: an affine placeholder when emulated, an online fit otherwise")
+                    help="profile JSON (scheduler/profiles/): the emulated step time, the prior of the engine's "
+                         "latency model and admission's; default: an affine placeholder when emulated, a roofline "
+                         "prior otherwise")
     ap.add_argument("--policy", choices=("fcfs", "edf", "polyserve"), default="polyserve")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -97,30 +80,29 @@ def main(argv=None) -> None:
     if args.prompt is not None:
         one_shot(args.model, args.device, args.prompt, args.max_tokens)
         return
+    emulated = args.executor == "emulated"
     try:
         tiers = parse_tiers(args.tiers)
-        default_tier = tiers.by_name(args.default_tier or tiers[len(tiers) - 1].name).name
+        default = tiers.by_name(args.default_tier) if args.default_tier else tiers[len(tiers) - 1]
+        config = EngineConfig(model=args.model, device=args.device, executor=args.executor,
+                              num_kv_blocks=args.num_kv_blocks or (8192 if emulated else None),
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_model_len=args.max_model_len, policy=args.policy, default_ttft_ms=default.ttft_ms,
+                              default_tpot_ms=default.tpot_ms)
     except ValueError as e:
         ap.error(str(e))
-    emulated = args.executor == "emulated"
-    config = EngineConfig(model=args.model, device=args.device, executor=args.executor,
-                          num_kv_blocks=args.num_kv_blocks or (8192 if emulated else None),
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len)
-    profile = ProfileTable.load(args.latency_profile) if args.latency_profile else None
-    # what admission trusts: a profile, or the emulated step time itself; a live model without a profile has no
-    # prediction good enough to refuse requests by, so admission then checks tiers only
-    known = profile or (AffineStepTime() if emulated else None)
-    policy_model = known or OnlineLatencyModel(AffineStepTime(), max_prefill_tokens=config.max_num_batched_tokens,
-                                               max_decode_seqs=config.max_num_seqs)
-    policy = build_policy(args.policy, config, tiers, default_tier, policy_model)
-    engine = build_engine(config, policy, known.predict if emulated else None)
+    # A profile, or the emulated step time itself, is trusted to refuse requests whose SLO an idle instance could
+    # not meet; a live model without a profile starts from a roofline guess (the engine's online fit refines it
+    # for scheduling), not good enough to refuse by, so admission then checks tiers only.
+    known = ProfileTable.load(args.latency_profile) if args.latency_profile else \
+        (AffineStepTime() if emulated else None)
+    engine = build_engine(config, latency_model=known)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
-    backend = EngineBackend(engine, name, tiers, default_tier, latency_model=known,
+    backend = EngineBackend(engine, name, tiers, default.name, latency_model=known,
                             max_prefill_chunk=config.max_num_batched_tokens, max_pending=args.max_pending)
     app = build_app(backend, client_max_size=args.max_body_bytes)
     logging.getLogger(__name__).info("model %s, executor %s, policy %s, tiers %s (default %s)", name,
-                                     args.executor, args.policy, args.tiers, default_tier)
+                                     args.executor, args.policy, args.tiers, default.name)
     asyncio.run(serve_forever(app, args.host, args.port))
 
 

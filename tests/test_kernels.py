@@ -284,3 +284,19 @@ def test_get_ops_chooses_one_implementation_per_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             get_ops("cuda")
+
+
+def test_engine_generates_the_same_tokens_with_the_triton_kernels(llama_tiny):
+    """The whole model on the Triton bundle (interpreter on the CPU): chunked prefill across steps, mixed
+    prefill/decode steps and decodes give the greedy tokens of the reference bundle."""
+    from engine import LLM, SamplingParams
+
+    folder, _ = llama_tiny
+    generator = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (21, 5, 38)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for kernels in ("reference", "triton"):
+        llm = LLM(folder, device=DEVICE, kernels=kernels, max_num_batched_tokens=16, num_kv_blocks=32)
+        tokens[kernels] = [out.token_ids for out in llm.generate(prompts, greedy)]
+    assert tokens["triton"] == tokens["reference"]

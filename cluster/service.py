@@ -1,0 +1,384 @@
+"""The router as an asyncio service: engine connections, request streams, heartbeats, failures and autoscaling
+around the pure `Router` and `Autoscaler` (DESIGN.md §5). This file owns every clock reading and every socket.
+
+- A request is submitted to the router; placed, it is sent to its instance, queued, it waits (a finish anywhere, a
+  new instance or the periodic tick retries the queues). Its tokens come back as RequestOutputs.
+- Every frame from an engine counts as a sign of life; an engine silent for `heartbeat_timeout_s` is closed and
+  treated as dead, as is one whose connection breaks or sends a malformed frame. A dead engine's requests that
+  produced no token are placed again; those that did end with an explicit error output. Its process is killed,
+  and the autoscaler's next plan replaces it.
+- Each tick: heartbeat check, queue retry, the autoscaler's plan (start processes, drain and stop idle ones).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from cluster import protocol as p
+from cluster.engine_link import EngineLink
+from cluster.fleet import InstanceStatus, RoutedRequest
+from cluster.launcher import LocalLauncher
+from cluster.router import Decision, InstanceReport, Outcome, Placement, Router
+from engine.api_server import NoInstanceError, QueueFullError
+from engine.engine import InvalidRequestError, RequestOutput
+from engine.sampling_params import SamplingParams
+from scheduler.slo import SLO
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    """One request's state at the router: what to send an instance, and what came back so far."""
+    routed: RoutedRequest
+    submit: p.Submit  # queued_s is filled in at each send
+    logprobs_wanted: bool
+    prompt_token_ids: list[int]
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or an exception to raise
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    sent: bool = False  # sent to an instance at least once (its queue time is recorded)
+    done: bool = False  # the last output (or an exception) is queued
+
+    @property
+    def started(self) -> bool:
+        return bool(self.token_ids)
+
+    def output(self, new_ids: list[int], new_text: str, finish_reason: str | None = None, cached: int = 0,
+               error: str | None = None) -> RequestOutput:
+        r = self.routed
+        return RequestOutput(
+            request_id=r.request_id, prompt_token_ids=self.prompt_token_ids, token_ids=self.token_ids,
+            text=self.text, new_token_ids=new_ids, new_text=new_text, finished=finish_reason is not None,
+            finish_reason=finish_reason, arrival=r.arrival,
+            first_token_time=self.token_times[0] if self.token_times else None, token_times=self.token_times,
+            logprobs=self.logprobs if self.logprobs_wanted else None, num_cached_tokens=cached, error=error)
+
+    def end(self, item: RequestOutput | BaseException) -> None:
+        if not self.done:
+            self.done = True
+            self.outputs.put_nowait(item)
+
+
+class RouterService:
+    def __init__(self, router: Router, *, launcher: LocalLauncher | None = None, heartbeat_timeout_s: float = 3.0,
+                 tick_s: float = 0.05, drain_timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
+                 clock=time.monotonic):
+        if not (heartbeat_timeout_s > 0 and tick_s > 0):
+            raise ValueError("heartbeat_timeout_s and tick_s must be positive")
+        self.router, self.launcher, self.clock = router, launcher, clock
+        self.heartbeat_timeout_s, self.tick_s = heartbeat_timeout_s, tick_s
+        self.drain_timeout_s, self.connect_timeout_s = drain_timeout_s, connect_timeout_s
+        self.links: dict[str, EngineLink] = {}
+        self.streams: dict[str, _Stream] = {}
+        self.metrics = None  # engine.metrics.ServerMetrics, bound by the HTTP app
+        self.cold_starts: list[float] = []  # seconds from spawn to the worker's Hello, every launch
+        self._link_tasks: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._tick_task: asyncio.Task | None = None
+        self._next_instance = 0
+        self._launch_failures = 0
+        self._launch_blocked_until = 0.0
+        self._stopping = False
+
+    @property
+    def ready(self) -> bool:
+        return any(v.status is InstanceStatus.READY for v in self.router.fleet.instances.values())
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tick_task = asyncio.create_task(self._ticks())
+        self._autoscale(self.clock())
+
+    async def stop(self) -> None:
+        """Drains every engine (residents finish, within drain_timeout_s), stops their processes, and ends any
+        request still open with an error."""
+        self._stopping = True
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+        now = self.clock()
+        for instance_id in list(self.links):
+            self._spawn(self._stop_instance(instance_id, now))
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=self.drain_timeout_s + 10)
+        for link in list(self.links.values()):
+            link.close("router stopping")
+        if self.launcher is not None:
+            await self.launcher.close()
+        for stream in list(self.streams.values()):
+            stream.end(stream.output([], "", "error", error="the router is shutting down"))
+
+    async def attach(self, host: str, port: int) -> str:
+        """Adds a worker that already runs (a fixed fleet); returns its instance id."""
+        link = await EngineLink.connect(host, port, self.clock, self.connect_timeout_s)
+        self.router.add_instance(link.instance_id, self.clock())
+        self._ready(link)
+        return link.instance_id
+
+    def _ready(self, link: EngineLink) -> None:
+        now = self.clock()
+        self.links[link.instance_id] = link
+        self._link_tasks[link.instance_id] = self._spawn(self._run_link(link))
+        h = link.hello
+        self._dispatch(self.router.on_ready(link.instance_id, h.num_kv_blocks * h.block_size, now), now)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       slo: SLO | None, arrival: float) -> AsyncIterator[RequestOutput]:
+        """Backend.generate (engine/api_server.py): admission on the first __anext__, then the outputs."""
+        tiers = self.router.tiers
+        try:
+            tier = tiers.for_tpot(slo.tpot_ms) if slo is not None else tiers[len(tiers) - 1]
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        slo = slo or tier.slo
+        if request_id in self.streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        routed = RoutedRequest(request_id, tiers.index(tier), tier.name, slo, arrival, len(prompt_token_ids),
+                               params.max_tokens)
+        sampling = p.SamplingSpec(params.temperature, params.top_k, params.top_p, params.seed, params.max_tokens,
+                                  list(params.stop), list(params.stop_token_ids), params.ignore_eos, params.logprobs)
+        submit = p.Submit(request_id, list(prompt_token_ids), sampling, p.SLOSpec(slo.ttft_ms, slo.tpot_ms), 0.0)
+        stream = _Stream(routed, submit, params.logprobs, submit.prompt_token_ids)
+        self.streams[request_id] = stream
+        try:
+            now = self.clock()
+            decision = self.router.submit(routed, now)
+            if decision.outcome is Outcome.QUEUE_FULL:
+                raise QueueFullError(f"tier {tier.name} has {self.router.queue_length(routed.tier)} requests "
+                                     f"waiting, its bound", decision.retry_after_s)
+            if decision.outcome is Outcome.NO_INSTANCE:
+                raise NoInstanceError("no engine instance is serving or starting, and none can be started")
+            if decision.outcome is Outcome.PLACED:
+                self._send(stream, decision.instance_id, now)
+            while True:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    break
+        finally:
+            self.streams.pop(request_id, None)
+            if not stream.done:
+                self._abandon(stream)
+
+    def _send(self, stream: _Stream, instance_id: str, now: float) -> None:
+        submit = stream.submit
+        submit.queued_s = now - stream.routed.arrival
+        self.links[instance_id].send(submit)
+        if not stream.sent:
+            stream.sent = True
+            if self.metrics is not None:
+                self.metrics.observe_queue_time(stream.routed.tier_name, max(0.0, submit.queued_s))
+
+    def _dispatch(self, placements: list[Placement], now: float) -> None:
+        for placement in placements:
+            stream = self.streams.get(placement.request.request_id)
+            if stream is not None:
+                self._send(stream, placement.instance_id, now)
+
+    def _decided(self, stream: _Stream, decision: Decision, now: float) -> None:
+        """A re-placed request: sent, queued, or (nowhere to go) answered."""
+        if decision.outcome is Outcome.PLACED:
+            self._send(stream, decision.instance_id, now)
+        elif decision.outcome is Outcome.NO_INSTANCE:
+            stream.end(NoInstanceError("its instance failed and no other instance is serving or can be started"))
+
+    def _abandon(self, stream: _Stream) -> None:
+        """The client left before the end: abort it where it runs, or take it out of the queue."""
+        req = stream.routed
+        if req.instance_id is None:
+            self.router.withdraw(req.request_id)
+            return
+        link = self.links.get(req.instance_id)
+        if link is not None:
+            link.send(p.Abort(req.request_id))
+        now = self.clock()
+        self.router.on_finished(req.request_id, len(stream.token_ids), now, completed=False)
+        self._dispatch(self.router.retry_queued(now), now)
+
+    # ---- frames from engines ---------------------------------------------------------------------------------
+    async def _run_link(self, link: EngineLink) -> None:
+        reason = await link.run(self._on_message, self.clock)
+        if self.links.get(link.instance_id) is not link:
+            return
+        del self.links[link.instance_id]
+        self._link_tasks.pop(link.instance_id, None)
+        view = self.router.fleet.instances.get(link.instance_id)
+        if view is None or view.status is InstanceStatus.DEAD:
+            return
+        if link.drained and not view.residents:
+            return  # a clean drain: _stop_instance finishes the removal
+        self._instance_failed(link.instance_id, reason)
+
+    def _on_message(self, link: EngineLink, msg) -> None:
+        now = self.clock()
+        streams, instance_id = self.streams, link.instance_id
+        if isinstance(msg, p.Tokens):
+            offset = link.clock_offset
+            for d in msg.deltas:
+                s = streams.get(d.request_id)
+                if s is None or s.routed.instance_id != instance_id or s.done:
+                    continue
+                s.token_ids.extend(d.token_ids)
+                s.token_times.extend([t + offset for t in d.emit_times])
+                if d.logprobs is not None:
+                    s.logprobs.extend(d.logprobs)
+                s.text += d.text
+                s.outputs.put_nowait(s.output(d.token_ids, d.text))
+        elif isinstance(msg, p.StepReport):
+            self.router.on_report(instance_id, InstanceReport(link.to_router_clock(msg.start + msg.duration),
+                                                              msg.num_blocks_used, msg.residents), now)
+            if self.metrics is not None:
+                self.metrics.observe_step(instance_id, msg.duration, msg.num_blocks_used / max(1, msg.num_total_blocks),
+                                          msg.num_running, msg.num_waiting)
+                self.metrics.observe_batch(instance_id, msg.num_running)
+        elif isinstance(msg, p.Finish):
+            s = streams.get(msg.request_id)
+            if s is None or s.routed.instance_id != instance_id:
+                return
+            self.router.on_finished(msg.request_id, msg.num_output_tokens, now,
+                                    completed=msg.finish_reason in ("stop", "length"))
+            s.end(s.output([], "", msg.finish_reason, msg.num_cached_tokens))
+            self._dispatch(self.router.retry_queued(now), now)
+        elif isinstance(msg, p.Error):
+            self._on_error(link, msg, now)
+        elif isinstance(msg, p.Drained):
+            link.drained = True
+
+    def _on_error(self, link: EngineLink, msg: p.Error, now: float) -> None:
+        if not msg.request_id:
+            log.warning("instance %s reports: %s (%s)", link.instance_id, msg.message, msg.kind)
+            return
+        s = self.streams.get(msg.request_id)
+        if s is None or s.routed.instance_id != link.instance_id:
+            return
+        self.router.on_finished(msg.request_id, len(s.token_ids), now, completed=False)
+        if msg.kind == "draining" and not s.started:  # it raced the drain: place it elsewhere
+            self._decided(s, self.router.submit(s.routed, now, readmit=True), now)
+        elif msg.kind == "invalid" and not s.started:
+            s.end(InvalidRequestError(msg.message))
+        else:
+            s.end(s.output([], "", "error", error=f"instance {link.instance_id}: {msg.message}"))
+        self._dispatch(self.router.retry_queued(now), now)
+
+    # ---- failures --------------------------------------------------------------------------------------------
+    def _instance_failed(self, instance_id: str, reason: str) -> None:
+        now = self.clock()
+        log.warning("instance %s is dead: %s", instance_id, reason)
+        lost = self.router.on_lost(instance_id, now)
+        if self.launcher is not None and self.launcher.pid(instance_id) is not None:
+            self.launcher.kill(instance_id)
+            self._spawn(self.launcher.stop(instance_id, 5.0))
+        for req in lost:
+            s = self.streams.get(req.request_id)
+            if s is None or s.done:
+                continue
+            if s.started:
+                s.end(s.output([], "", "error", error=f"instance {instance_id} failed mid-stream: {reason}"))
+            else:
+                self._decided(s, self.router.submit(req, now, readmit=True), now)
+        self.router.remove_instance(instance_id, now)
+        if self.metrics is not None:
+            self.metrics.forget_instance(instance_id)
+        if not self._stopping:
+            self._autoscale(now)
+
+    # ---- the periodic tick -----------------------------------------------------------------------------------
+    async def _ticks(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                self._tick(self.clock())
+            except Exception:  # a bug here must not stop heartbeats and scaling for good
+                log.exception("router tick failed")
+
+    def _tick(self, now: float) -> None:
+        for link in list(self.links.values()):
+            silent = now - link.last_heard
+            if silent > self.heartbeat_timeout_s:
+                link.close(f"no frame for {silent:.1f} s (heartbeat timeout {self.heartbeat_timeout_s:g} s)")
+        if self.router.waiting_tiers():
+            self._dispatch(self.router.retry_queued(now), now)
+        self._autoscale(now)
+        if self.metrics is not None:
+            fleet = self.router.fleet
+            for tier, members in zip(self.router.tiers, fleet.members):
+                self.metrics.set_instances(tier.name, len(members))
+            self.metrics.set_instances("idle", len(fleet.idle))
+
+    def _autoscale(self, now: float) -> None:
+        autoscaler = self.router.autoscaler
+        if autoscaler is None or self._stopping:
+            return
+        plan = autoscaler.plan(self.router.fleet, self.router.waiting_tiers(), now)
+        if plan.num_to_start and self.launcher is not None and now >= self._launch_blocked_until:
+            for _ in range(plan.num_to_start):
+                instance_id = f"engine-{self._next_instance}"
+                self._next_instance += 1
+                self.router.add_instance(instance_id, now)
+                self._spawn(self._launch(instance_id, now))
+        for instance_id in plan.to_stop:
+            self._spawn(self._stop_instance(instance_id, now))
+
+    async def _launch(self, instance_id: str, now: float) -> None:
+        try:
+            host, port = await self.launcher.start(instance_id)
+            link = await EngineLink.connect(host, port, self.clock, self.connect_timeout_s)
+            if link.instance_id != instance_id:
+                link.close("wrong instance")
+                raise p.ProtocolError(f"worker at {host}:{port} says it is {link.instance_id!r}, not {instance_id!r}")
+        except Exception as e:
+            self._launch_failures += 1
+            backoff = min(30.0, 0.5 * 2 ** self._launch_failures)
+            self._launch_blocked_until = self.clock() + backoff
+            log.error("launching %s failed (%s); next launch in %.1f s", instance_id, e, backoff)
+            self.router.on_lost(instance_id, self.clock())
+            self.router.remove_instance(instance_id, self.clock())
+            if self.launcher.pid(instance_id) is not None:
+                self.launcher.kill(instance_id)
+                await self.launcher.stop(instance_id, 5.0)
+            return
+        self._launch_failures = 0
+        self.cold_starts.append(self.clock() - now)
+        if self._stopping:
+            link.send(p.Drain())
+            self.router.on_lost(instance_id, self.clock())
+            self.router.remove_instance(instance_id, self.clock())
+            return
+        self._ready(link)
+
+    async def _stop_instance(self, instance_id: str, now: float) -> None:
+        """Drain (residents finish, nothing new), then stop the process."""
+        view = self.router.fleet.instances.get(instance_id)
+        if view is None or view.status is InstanceStatus.DEAD:
+            return
+        self.router.start_draining(instance_id, now)
+        link = self.links.get(instance_id)
+        if link is not None:
+            link.send(p.Drain())
+            task = self._link_tasks.get(instance_id)
+            if task is not None:
+                done, _ = await asyncio.wait({task}, timeout=self.drain_timeout_s)
+                if not done:
+                    link.close(f"did not drain within {self.drain_timeout_s:g} s")
+                    await task
+        if self.launcher is not None:
+            await self.launcher.stop(instance_id, 10.0)
+        if self.router.fleet.instances.get(instance_id) is view and view.status is InstanceStatus.DRAINING:
+            self.router.remove_instance(instance_id, self.clock())
+            if self.metrics is not None:
+                self.metrics.forget_instance(instance_id)

@@ -1,0 +1,408 @@
+"""Discrete-event simulator of a fleet (DESIGN.md §5): the live system's router (cluster/router.py), autoscaler
+(cluster/autoscaler.py) and batch policies (scheduler/) driven in virtual time, the latency model standing in for
+the GPU. No sockets, no sleeping, no clock: deterministic for a seed.
+
+It is what cluster/service.py does with messages, done with method calls:
+- an arrival is `router.submit`; placed, it is queued on its instance (cluster/sim_instance.py runs the engine's
+  step loop there); queued, it waits in the router; refused (queue full, no instance), it counts as not attained;
+- after each engine step the router gets the instance's report (`on_report`), sent lazily: just before the router
+  decides anything, for every instance that stepped since its last report; the router only ever reads the latest
+  report, so it sees exactly what it would have seen from one report per step;
+- a finish is `router.on_finished`, then `retry_queued`; a periodic tick (the service's 50 ms) retries the queues
+  and asks the autoscaler for a plan: instances it starts are ready after `cold_start_s`, the ones it stops drain
+  first and are removed once empty.
+Events at the same instant run arrivals first, then step boundaries, then ticks: a request arriving as a step ends
+joins the next step, as it would in the engine (it reads its queue between steps).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from cluster.autoscaler import Autoscaler, ScalingLimits
+from cluster.emulation import kv_blocks_for_gpu
+from cluster.fleet import InstanceStatus, RoutedRequest
+from cluster.router import InstanceReport, Outcome, Router
+from cluster.sim_instance import IDLE, SimInstance, SimRequest
+from cluster.workload import REFUSED, Workload
+from scheduler.latency_model import LatencyModel
+from scheduler.types import BatchPolicy
+
+ARRIVAL, STEP_EVENT, READY_EVENT, TICK = 0, 1, 2, 3  # same-instant order
+ENGINE_POLICIES = ("polyserve", "edf", "fcfs")
+
+
+@dataclass(slots=True, frozen=True)
+class SimConfig:
+    """One simulated deployment. `num_instances` is the fixed fleet; with `autoscale` it is the starting fleet and
+    the autoscaler's limits bound it."""
+    router_policy: str = "polyserve"  # cluster.router.POLICIES
+    engine_policy: str = "polyserve"  # ENGINE_POLICIES
+    num_instances: int = 8
+    autoscale: ScalingLimits | None = None
+    cold_start_s: float = 30.0  # spawn to ready: an H200 loading 16 GB of weights and capturing graphs
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: Llama-3.1-8B bf16 beside its weights on a 141 GB H200 at 90 %
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 4096
+    max_prefill_chunk: int = 2048  # PolyServe's chunk cap; the static budget of FCFS and EDF
+    queue_limit: int = 256
+    tick_s: float = 0.05
+    fast_forward: bool = True
+    record_token_times: bool = False
+    reveal_output_len: bool = False  # max_tokens = the true output length (as the emulated engine needs)
+    max_tokens_cap: int = 4096  # otherwise every request's max_tokens
+    expected_output_tokens: float | None = None  # the router's prior; None: the workload's mean output
+    seed: int = 0  # the router's own randomness (the random baseline)
+
+    def __post_init__(self):
+        if self.engine_policy not in ENGINE_POLICIES:
+            raise ValueError(f"engine_policy must be one of {', '.join(ENGINE_POLICIES)}, got {self.engine_policy!r}")
+        if self.num_instances < 0 or (self.num_instances == 0 and self.autoscale is None):
+            raise ValueError(f"a fixed fleet needs at least one instance, got {self.num_instances}")
+        if not (self.cold_start_s >= 0 and self.tick_s > 0):
+            raise ValueError("cold_start_s must be non-negative and tick_s positive")
+        if self.max_prefill_chunk > self.max_num_batched_tokens:
+            raise ValueError("max_prefill_chunk cannot exceed max_num_batched_tokens")
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.num_kv_blocks if self.num_kv_blocks is not None else kv_blocks_for_gpu(self.block_size)
+
+
+def make_batch_policy(config: SimConfig, model: LatencyModel, default_slo) -> BatchPolicy:
+    """The engine's policy object, built as cluster/worker.py builds it."""
+    from scheduler.edf import EDFPolicy
+    from scheduler.policy import FCFSPolicy
+    from scheduler.polyserve import PolyServePolicy
+
+    if config.engine_policy == "polyserve":
+        return PolyServePolicy(model, default_slo, config.max_num_seqs, config.max_num_batched_tokens,
+                               config.max_prefill_chunk)
+    if config.engine_policy == "edf":
+        return EDFPolicy(default_slo, config.max_num_seqs, config.max_prefill_chunk)
+    return FCFSPolicy(config.max_prefill_chunk, config.max_num_seqs)
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Per request (in workload order) and per run figures. Times in seconds of virtual time."""
+    tier: np.ndarray  # tier index; REFUSED for requests refused at admission
+    arrival: np.ndarray
+    served: np.ndarray  # bool: placed and finished
+    attained: np.ndarray  # bool, cumulative deadlines (DESIGN.md §1)
+    attained_mean_tpot: np.ndarray
+    attained_max_gap: np.ndarray
+    ttft: np.ndarray  # nan when not served
+    mean_tpot: np.ndarray  # nan with fewer than two tokens
+    max_gap: np.ndarray
+    promoted: np.ndarray  # bool: served on an instance of a tighter tier
+    preemptions: np.ndarray
+    tier_names: tuple[str, ...]
+    end_time: float
+    instance_seconds: float  # live instances (starting, serving, draining) integrated over the run
+    samples: list[tuple[float, tuple[int, ...], int, int]]  # (time, instances per tier, idle, live) every sample_s
+    counts: dict[str, int]
+    num_steps: int
+    num_policy_calls: int
+    wall_s: float
+    token_times: list[list[float]] | None = None
+
+    def attainment(self, window: tuple[float, float] | None = None, view: str = "cumulative") -> float:
+        """Fraction of requests arriving in `window` that attained their SLO (refused ones count as missed)."""
+        flags = {"cumulative": self.attained, "mean_tpot": self.attained_mean_tpot,
+                 "max_gap": self.attained_max_gap}.get(view)
+        if flags is None:
+            raise ValueError(f"view must be cumulative, mean_tpot or max_gap, got {view!r}")
+        mask = self._window(window)
+        n = int(mask.sum())
+        if n == 0:
+            raise ValueError("no request arrived in the window")
+        return float(flags[mask].sum()) / n
+
+    def tier_attainment(self, window: tuple[float, float] | None = None, view: str = "cumulative") -> dict[str, float]:
+        flags = {"cumulative": self.attained, "mean_tpot": self.attained_mean_tpot,
+                 "max_gap": self.attained_max_gap}[view]
+        mask = self._window(window)
+        out = {}
+        for k, name in enumerate(self.tier_names):
+            m = mask & (self.tier == k)
+            if m.any():
+                out[name] = float(flags[m].mean())
+        return out
+
+    def _window(self, window: tuple[float, float] | None) -> np.ndarray:
+        if window is None:
+            return np.ones(len(self.arrival), dtype=bool)
+        return (self.arrival >= window[0]) & (self.arrival < window[1])
+
+
+class Simulator:
+    def __init__(self, config: SimConfig, tiers, model: LatencyModel,
+                 policy_factory: Callable[[], BatchPolicy] | None = None, router: Router | None = None,
+                 sample_s: float = 1.0):
+        """`policy_factory` (one batch policy per instance) and `router` default to what `config` names; pass
+        your own to simulate a variant (the ablations do)."""
+        self.config, self.tiers, self.model = config, tiers, model
+        default_slo = tiers[len(tiers) - 1].slo  # as cluster/serve.py: requests without an SLO get the loosest
+        self.policy_factory = policy_factory or (lambda: make_batch_policy(config, model, default_slo))
+        self._router = router
+        self.sample_s = sample_s
+        self.instances: dict[str, SimInstance] = {}
+        self.router: Router | None = None
+
+    # ---- setup ---------------------------------------------------------------------------------------------
+    def _build_router(self, expected_output: float) -> Router:
+        cfg = self.config
+        if self._router is not None:
+            return self._router
+        autoscaler = Autoscaler(cfg.autoscale) if cfg.autoscale is not None else None
+        return Router(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
+                      queue_limit=cfg.queue_limit, max_prefill_chunk=cfg.max_prefill_chunk,
+                      expected_output_tokens=expected_output, seed=cfg.seed)
+
+    def _new_instance(self, now: float) -> str:
+        instance_id = f"i{self._next_instance}"
+        self._next_instance += 1
+        inst = SimInstance(len(self._by_index), self.policy_factory(), self.model, self.config.kv_blocks,
+                           self.config.block_size, self._push_step_event, self._on_finish,
+                           fast_forward=self.config.fast_forward, instance_id=instance_id)
+        self._by_index.append(inst)
+        self.instances[instance_id] = inst
+        self._reported.append(-1)
+        self.router.add_instance(instance_id, now)
+        self._live_since[instance_id] = now
+        return instance_id
+
+    # ---- the event loop --------------------------------------------------------------------------------------
+    def run(self, workload: Workload, until: float | None = None) -> SimResult:
+        """Simulates `workload` until every request has finished (or `until`, when given)."""
+        wall0 = time.perf_counter()
+        cfg = self.config
+        self._heap: list = []
+        self._seq = 0
+        self._by_index: list[SimInstance] = []
+        self._reported: list[int] = []
+        self._live_since: dict[str, float] = {}
+        self._instance_seconds = 0.0
+        self._next_instance = 0
+        self._draining: set[str] = set()
+        self._now = 0.0
+        self._rejected: set[str] = set()
+        self._unfinished = 0
+        self._pending_ready = 0
+        expected = cfg.expected_output_tokens or (float(workload.output_lens.mean()) if len(workload) else 128.0)
+        self.router = router = self._build_router(expected)
+        capacity = cfg.kv_blocks * cfg.block_size
+        for _ in range(cfg.num_instances):
+            instance_id = self._new_instance(0.0)
+            self._dispatch(router.on_ready(instance_id, capacity, 0.0))
+        if cfg.autoscale is not None:
+            self._autoscale(0.0)
+        self._push(0.0, TICK, None)
+
+        n = len(workload)
+        requests: list[SimRequest | None] = [None] * n
+        self._requests_by_id: dict[str, SimRequest] = {}
+        arrivals = workload.arrivals.tolist()
+        prompts = workload.prompt_lens.tolist()
+        outputs = workload.output_lens.tolist()
+        tier_idx = workload.tier_index.tolist()
+        tiers = self.tiers
+        samples: list = []
+        next_sample = 0.0
+        heap = self._heap
+        pop = heapq.heappop
+        stop = math.inf if until is None else until
+        i = 0
+        while True:
+            t_arrival = arrivals[i] if i < n else math.inf
+            from_heap = bool(heap) and heap[0][0] < t_arrival  # same instant: the arrival first
+            t = heap[0][0] if from_heap else t_arrival
+            if t == math.inf or t > stop:
+                break
+            while next_sample <= t:
+                samples.append(self._sample(next_sample))
+                next_sample += self.sample_s
+            self._accrue(t)
+            self._now = t
+            if not from_heap:
+                k = tier_idx[i]
+                i += 1
+                if k == REFUSED:
+                    continue
+                tier = tiers[k]
+                out = outputs[i - 1]
+                max_tokens = out if cfg.reveal_output_len else max(cfg.max_tokens_cap, out)
+                sreq = SimRequest(f"r{i - 1}", t, tier.slo, tier.name, prompts[i - 1], max_tokens, out)
+                if cfg.record_token_times:
+                    sreq.token_times = []
+                requests[i - 1] = sreq
+                self._requests_by_id[sreq.request_id] = sreq
+                self._arrive(sreq, k, t)
+                continue
+            _, kind, _, payload = pop(heap)
+            if kind == STEP_EVENT:
+                inst, version = payload
+                if version == inst.version:
+                    inst.on_event(t)
+            elif kind == TICK:
+                self._tick(t)
+                if i < n or (self._unfinished and not self._stalled()):
+                    self._push(t + cfg.tick_s, TICK, None)
+            else:  # READY_EVENT
+                self._pending_ready -= 1
+                if payload in self.instances:
+                    self._sync_reports(t)
+                    self._dispatch(self.router.on_ready(payload, capacity, t))
+        self._accrue(self._now)
+        return self._result(workload, requests, samples, time.perf_counter() - wall0)
+
+    def _stalled(self) -> bool:
+        """Nothing can move any more: no instance steps, none is starting, and the queues found no place (a
+        request whose KV cannot fit anywhere). Its requests stay unfinished and count as missed."""
+        return self._pending_ready == 0 and all(inst.event_time == math.inf for inst in self._by_index)
+
+    def _push(self, t: float, kind: int, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, payload))
+
+    def _push_step_event(self, inst: SimInstance, t: float) -> None:
+        self._push(t, STEP_EVENT, (inst, inst.version))
+
+    def _accrue(self, t: float) -> None:
+        """Instance-seconds of every live instance up to t."""
+        live = len(self._live_since)
+        self._instance_seconds += live * (t - self._now)
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def _arrive(self, sreq: SimRequest, tier_index: int, now: float) -> None:
+        routed = RoutedRequest(sreq.request_id, tier_index, sreq.tier, sreq.slo, sreq.arrival,
+                               sreq.num_prompt_tokens, sreq.max_tokens)
+        self._sync_reports(now)
+        decision = self.router.submit(routed, now)
+        if decision.outcome is Outcome.PLACED:
+            self._unfinished += 1
+            self._place(sreq, decision.instance_id, now)
+        elif decision.outcome is Outcome.QUEUED:
+            self._unfinished += 1
+        else:
+            self._rejected.add(sreq.request_id)
+
+    def _place(self, sreq: SimRequest, instance_id: str, now: float) -> None:
+        view = self.router.fleet.instances[instance_id]
+        sreq.host_tier = self.tiers[view.tier].name if view.tier is not None else ""
+        self.instances[instance_id].enqueue(sreq, now)
+
+    def _dispatch(self, placements) -> None:
+        for p in placements:
+            self._place(self._requests_by_id[p.request.request_id], p.instance_id, self._now)
+
+    def _on_finish(self, inst: SimInstance, finished: list[SimRequest], now: float) -> None:
+        self._sync_reports(now)
+        router = self.router
+        for req in finished:
+            router.on_finished(req.request_id, req.num_output_tokens, now)
+            self._unfinished -= 1
+        if router.waiting_tiers():
+            self._dispatch(router.retry_queued(now))
+        if self._draining and inst.instance_id in self._draining and inst.num_residents == 0:
+            self._remove(inst.instance_id, now)
+
+    def _sync_reports(self, now: float) -> None:
+        """Every instance that stepped since its last report reports now (see the module docstring)."""
+        router, reported = self.router, self._reported
+        for inst in self._by_index:
+            if inst.state == IDLE and inst.num_steps == reported[inst.index]:
+                continue
+            inst.sync(now)
+            if inst.num_steps != reported[inst.index]:
+                reported[inst.index] = inst.num_steps
+                router.on_report(inst.instance_id, InstanceReport(inst.last_end,
+                                                                  inst.num_total_blocks - inst.free_blocks,
+                                                                  inst.running + inst.waiting), now)
+
+    # ---- fleet -----------------------------------------------------------------------------------------------
+    def _tick(self, now: float) -> None:
+        router = self.router
+        if router.waiting_tiers():
+            self._sync_reports(now)
+            self._dispatch(router.retry_queued(now))
+        if self.config.autoscale is not None:
+            self._autoscale(now)
+
+    def _autoscale(self, now: float) -> None:
+        router = self.router
+        plan = router.autoscaler.plan(router.fleet, router.waiting_tiers(), now)
+        for _ in range(plan.num_to_start):
+            instance_id = self._new_instance(now)
+            self._pending_ready += 1
+            self._push(now + self.config.cold_start_s, READY_EVENT, instance_id)
+        for instance_id in plan.to_stop:
+            view = router.fleet.instances.get(instance_id)
+            if view is None or view.status is not InstanceStatus.READY:
+                continue
+            router.start_draining(instance_id, now)
+            if self.instances[instance_id].num_residents == 0:
+                self._remove(instance_id, now)
+            else:
+                self._draining.add(instance_id)
+
+    def _remove(self, instance_id: str, now: float) -> None:
+        self._draining.discard(instance_id)
+        self.router.remove_instance(instance_id, now)
+        del self._live_since[instance_id]
+        del self.instances[instance_id]
+
+    def _sample(self, t: float) -> tuple[float, tuple[int, ...], int, int]:
+        fleet = self.router.fleet
+        return (t, tuple(len(m) for m in fleet.members), len(fleet.idle), len(self._live_since))
+
+    # ---- results ---------------------------------------------------------------------------------------------
+    def _result(self, workload: Workload, requests: list[SimRequest | None], samples, wall_s: float) -> SimResult:
+        n = len(workload)
+        served = np.zeros(n, dtype=bool)
+        attained = np.zeros(n, dtype=bool)
+        attained_mean = np.zeros(n, dtype=bool)
+        attained_gap = np.zeros(n, dtype=bool)
+        ttft = np.full(n, np.nan)
+        mean_tpot = np.full(n, np.nan)
+        max_gap = np.full(n, np.nan)
+        promoted = np.zeros(n, dtype=bool)
+        preemptions = np.zeros(n, dtype=np.int64)
+        for i, r in enumerate(requests):
+            if r is None or not r.finished:
+                continue
+            served[i] = True
+            attained[i] = r.worst_lateness <= 0
+            ttft[i] = r.first_token_time - r.arrival
+            first_ok = ttft[i] <= r.slo.ttft_ms / 1000.0
+            if r.num_output_tokens > 1:
+                mean_tpot[i] = (r.last_token_time - r.first_token_time) / (r.num_output_tokens - 1)
+                max_gap[i] = r.max_gap
+                attained_mean[i] = first_ok and mean_tpot[i] <= r.tpot_s
+                attained_gap[i] = first_ok and r.max_gap <= r.tpot_s
+            else:
+                attained_mean[i] = attained_gap[i] = first_ok
+            promoted[i] = r.host_tier != "" and r.host_tier != r.tier and \
+                self.tiers.index(r.host_tier) < self.tiers.index(r.tier)
+            preemptions[i] = r.num_preemptions
+        insts = self._by_index
+        return SimResult(
+            tier=workload.tier_index.astype(np.int64), arrival=workload.arrivals, served=served, attained=attained,
+            attained_mean_tpot=attained_mean, attained_max_gap=attained_gap, ttft=ttft, mean_tpot=mean_tpot,
+            max_gap=max_gap, promoted=promoted, preemptions=preemptions,
+            tier_names=tuple(t.name for t in self.tiers), end_time=self._now,
+            instance_seconds=self._instance_seconds, samples=samples,
+            counts={**dict(self.router.counts), "rejected": len(self._rejected),
+                    "refused_at_admission": workload.num_refused},
+            num_steps=sum(i.num_steps for i in insts), num_policy_calls=sum(i.num_policy_calls for i in insts),
+            wall_s=wall_s,
+            token_times=[(r.token_times if r is not None else None) for r in requests]
+            if self.config.record_token_times else None)
+

@@ -1,0 +1,278 @@
+"""The router and autoscaler as pure policies, on hand-built fleets in virtual time (no processes, no sockets).
+
+Instances have a KV pool of 4000 tokens and requests a 1000-token prompt with 100 output tokens: an instance of
+the roofline model (Llama-3.1-8B on H200) holds three such requests, a fourth would overflow its KV at the peak.
+"""
+from __future__ import annotations
+
+import pytest
+
+from cluster.autoscaler import Autoscaler, ScalePlan, ScalingLimits
+from cluster.emulation import emulated_latency_model
+from cluster.fleet import InstanceStatus, RoutedRequest
+from cluster.protocol import Resident
+from cluster.router import How, InstanceReport, Outcome, Router
+from scheduler.attainability import Rejection
+from scheduler.tiers import Tier, TierSet
+
+MODEL = emulated_latency_model()
+TIERS = TierSet([Tier("tight", 20, 500), Tier("std", 50, 1000), Tier("batch", 200, 5000)])
+TIGHT, STD, BATCH = 0, 1, 2
+CAPACITY = 4000
+
+
+def make_router(policy="polyserve", tiers=TIERS, queue_limit=4, **limits) -> Router:
+    limits = {"min_instances": 0, "max_instances": 16, "idle_pool": 0, **limits}
+    return Router(tiers, MODEL, policy=policy, autoscaler=Autoscaler(ScalingLimits(**limits)), queue_limit=queue_limit)
+
+
+def request(rid: str, tier: int, arrival: float = 0.0, prompt: int = 1000, max_tokens: int = 100,
+            tiers=TIERS) -> RoutedRequest:
+    t = tiers[tier]
+    return RoutedRequest(rid, tier, t.name, t.slo, arrival, prompt, max_tokens)
+
+
+def ready(router: Router, *ids: str, capacity: int = CAPACITY, now: float = 0.0) -> None:
+    for iid in ids:
+        router.add_instance(iid, now)
+        router.on_ready(iid, capacity, now)
+
+
+def fill(router: Router, iid: str, tier: int, n: int, now: float = 0.0) -> list[RoutedRequest]:
+    """Puts n requests of `tier` on instance `iid` (an idle one joins `tier`)."""
+    reqs = [request(f"{iid}-{tier}-{i}", tier, now) for i in range(n)]
+    for r in reqs:
+        router.on_placed(r, iid, now)
+    return reqs
+
+
+def residents(router: Router, iid: str) -> int:
+    return len(router.fleet[iid].residents)
+
+
+def test_own_tier_packs_the_busiest_instance_that_can_attain():
+    router = make_router()
+    ready(router, "full", "busy", "light")
+    fill(router, "full", STD, 3)  # a fourth request would overflow its KV
+    fill(router, "busy", STD, 2)
+    fill(router, "light", STD, 1)
+    loads = [router.fleet[i].load for i in ("full", "busy", "light")]
+    assert loads == sorted(loads, reverse=True) and loads[0] > loads[2]
+    full_verdict = router.checker.check(router.fleet["full"].snapshot(50), request("x", STD).snapshot(0.0), 0.0)
+    assert full_verdict.reason is Rejection.KV_CAPACITY
+
+    d = router.submit(request("r1", STD), 0.0)
+    assert (d.outcome, d.instance_id, d.how) == (Outcome.PLACED, "busy", How.OWN)
+    # "busy" is now full too: the next goes to the last instance with room, never promoted or scaled
+    d = router.submit(request("r2", STD), 0.0)
+    assert (d.instance_id, d.how) == ("light", How.OWN)
+    assert [residents(router, i) for i in ("full", "busy", "light")] == [3, 3, 2]
+
+
+def test_promotion_only_when_the_own_tier_refuses_nearest_tighter_first():
+    router = make_router()
+    ready(router, "t0", "s0", "b0")
+    fill(router, "t0", TIGHT, 1)
+    fill(router, "s0", STD, 1)
+    fill(router, "b0", BATCH, 2)
+    # the batch instance still has room: no promotion even though tighter instances are less loaded
+    assert router.submit(request("b-1", BATCH), 0.0).instance_id == "b0"
+    # batch is full now: promoted, to std (nearest) before tight
+    d = router.submit(request("b-2", BATCH), 0.0)
+    assert (d.instance_id, d.how) == ("s0", How.PROMOTED)
+    d = router.submit(request("b-3", BATCH), 0.0)
+    assert (d.instance_id, d.how) == ("s0", How.PROMOTED)
+    d = router.submit(request("b-4", BATCH), 0.0)  # std full: on to tight
+    assert (d.instance_id, d.how) == ("t0", How.PROMOTED)
+    assert router.fleet["s0"].num_own_tier == 1 and residents(router, "s0") == 3
+    assert router.counts["promoted"] == 3
+
+
+def test_promotion_is_judged_at_the_host_tier_tpot():
+    # 100-token requests decoding on the host: four predict 3.59 ms, five 3.60 ms, over the host's 3.6 ms TPOT
+    tiers = TierSet([Tier("host", 3.6, 500), Tier("std", 50, 1000)])
+    router = make_router(tiers=tiers)
+    ready(router, "h")
+    hosted = [request(f"h{i}", 0, prompt=100, tiers=tiers) for i in range(3)]
+    for r in hosted:
+        router.on_placed(r, "h", 0.0)
+    router.on_report("h", InstanceReport(0.0, 30, [Resident(r.request_id, 100, 100, 1) for r in hosted]), 0.0)
+    d = router.submit(request("p1", 1, prompt=100, tiers=tiers), 0.0)  # std has no instance: promoted
+    assert (d.instance_id, d.how) == ("h", How.PROMOTED)
+    router.on_report("h", InstanceReport(0.01, 40, [Resident(r.request_id, 100, 100, 1)
+                                                    for r in router.fleet["h"].residents.values()]), 0.01)
+    p2 = request("p2", 1, prompt=100, tiers=tiers)
+    at_host = router.checker.check(router.fleet["h"].snapshot(3.6), p2.snapshot(0.0), 0.01)
+    at_own = router.checker.check(router.fleet["h"].snapshot(50.0), p2.snapshot(0.0), 0.01)
+    assert at_host.reason is Rejection.TPOT and at_own.ok  # passes at its own 50 ms, not at the host's 3.6 ms
+    d = router.submit(p2, 0.01)
+    assert d.outcome is Outcome.QUEUED and len(router.fleet["h"].residents) == 4
+
+
+def test_scale_up_takes_an_idle_instance_into_the_tier_and_respects_its_cap():
+    router = make_router(max_per_tier=2)
+    ready(router, "s0", "idle0", "idle1")
+    fill(router, "s0", STD, 3)
+    d = router.submit(request("r", STD), 0.0)
+    assert (d.instance_id, d.how) == ("idle0", How.SCALED_UP)
+    assert router.fleet["idle0"].tier == STD and [v.instance_id for v in router.fleet.idle] == ["idle1"]
+    fill(router, "idle0", STD, 2)  # tier std now at its cap of two instances, both full
+    d = router.submit(request("r2", STD), 0.0)
+    assert d.outcome is Outcome.QUEUED and router.fleet["idle1"].tier is None
+    # another tier may still take the idle instance
+    assert router.submit(request("t", TIGHT), 0.0).how is How.SCALED_UP
+
+
+def test_queue_is_bounded_retried_fifo_and_readmits_go_first():
+    router = make_router(queue_limit=2)
+    ready(router, "s0")
+    placed = fill(router, "s0", STD, 3)
+    assert router.submit(request("q1", STD, 0.0), 0.0).outcome is Outcome.QUEUED
+    assert router.submit(request("q2", STD, 0.0), 0.0).outcome is Outcome.QUEUED
+    full = router.submit(request("q3", STD, 0.0), 0.0)
+    assert full.outcome is Outcome.QUEUE_FULL and full.retry_after_s >= 1
+    assert "q3" not in router.requests
+    # an accepted request placed again ignores the bound and goes to the front
+    assert router.submit(request("back", STD, 0.0), 0.1, readmit=True).outcome is Outcome.QUEUED
+    assert [r.request_id for r in router.queues[STD]] == ["back", "q1", "q2"]
+    assert router.retry_queued(0.2) == []  # nothing freed yet
+    router.on_finished(placed[0].request_id, 100, 0.3)
+    out = router.retry_queued(0.3)
+    assert [(p.request.request_id, p.instance_id) for p in out] == [("back", "s0")]
+    assert router.withdraw("q2") and [r.request_id for r in router.queues[STD]] == ["q1"]
+
+
+def test_a_request_that_can_no_longer_be_on_time_is_still_served():
+    router = make_router()
+    ready(router, "s0")
+    placed = fill(router, "s0", STD, 3)
+    assert router.submit(request("late", STD, arrival=0.0), 0.0).outcome is Outcome.QUEUED
+    router.on_finished(placed[0].request_id, 100, 5.0)  # 5 s later: its 1 s TTFT is long gone
+    out = router.retry_queued(5.0)
+    assert [p.request.request_id for p in out] == ["late"] and out[0].request.late
+
+
+def test_scale_down_releases_the_least_loaded_instance_once_it_holds_no_request_of_its_tier():
+    router = make_router()
+    ready(router, "a", "b")
+    a = fill(router, "a", STD, 3)
+    b = fill(router, "b", STD, 1)
+    router.on_placed(request("promo", BATCH), "b", 0.0)  # a looser request promoted onto b
+    router.on_finished(a[0].request_id, 100, 1.0)
+    assert router.fleet["a"].tier == STD and router.fleet["b"].tier == STD
+    router.on_finished(b[0].request_id, 100, 2.0)  # b is the least loaded, with only the promoted request left
+    assert router.fleet["b"].tier is None and router.fleet["b"] in router.fleet.idle
+    assert router.counts["released"] == 1 and "promo" in router.fleet["b"].residents
+    # its resident (200 ms) allows any tier at least as tight: std may take it back
+    fill(router, "a", STD, 1)  # a is full again
+    d = router.submit(request("s-new", STD, arrival=3.0), 3.0)
+    assert (d.instance_id, d.how) == ("b", How.SCALED_UP)
+
+
+def test_min_per_tier_keeps_instances_and_fills_tiers_first():
+    router = make_router(min_per_tier=1)
+    ready(router, "x", "y", "z", "w")
+    assert [router.fleet[i].tier for i in "xyzw"] == [TIGHT, STD, BATCH, None]
+    r = fill(router, "y", STD, 1)
+    router.on_finished(r[0].request_id, 100, 1.0)
+    assert router.fleet["y"].tier == STD  # the tier's only instance stays
+
+
+def test_no_instance_only_when_nothing_runs_and_nothing_can_start():
+    router = Router(TIERS, MODEL)  # no autoscaler: a fixed fleet
+    assert router.submit(request("a", STD), 0.0).outcome is Outcome.NO_INSTANCE
+    router.add_instance("s", 0.0)  # starting: requests wait for it
+    assert router.submit(request("b", STD), 0.0).outcome is Outcome.QUEUED
+    out = router.on_ready("s", CAPACITY, 0.5)
+    assert [(p.request.request_id, p.instance_id, p.how) for p in out] == [("b", "s", How.SCALED_UP)]
+    scalable = make_router(max_instances=2)
+    assert scalable.submit(request("c", STD), 0.0).outcome is Outcome.QUEUED  # the autoscaler will start one
+
+
+def test_lost_instance_hands_back_its_residents_for_placement_elsewhere():
+    router = make_router()
+    ready(router, "a", "b")
+    lost = fill(router, "a", STD, 2)
+    lost[1].num_output_tokens = 7
+    back = router.on_lost("a", 1.0)
+    assert {r.request_id for r in back} == {r.request_id for r in lost}
+    assert router.fleet["a"].status is InstanceStatus.DEAD and not router.fleet["a"].residents
+    assert all(r.instance_id is None and r.request_id not in router.requests for r in back)
+    d = router.submit(back[0], 1.0, readmit=True)
+    assert (d.instance_id, d.how) == ("b", How.SCALED_UP)
+    router.remove_instance("a", 1.0)
+    assert "a" not in router.fleet.instances
+
+
+def test_reports_update_progress_load_and_iteration_end():
+    router = make_router()
+    ready(router, "a")
+    reqs = fill(router, "a", STD, 2)
+    before = router.fleet["a"].load
+    report = InstanceReport(2.0, 150, [Resident(reqs[0].request_id, 1000, 1050, 50),
+                                       Resident(reqs[1].request_id, 1000, 1000, 0), Resident("gone", 5, 5, 0)])
+    router.on_report("a", report, 2.001)
+    view = router.fleet["a"]
+    assert reqs[0].num_output_tokens == 50 and reqs[0].num_computed_tokens == 1050
+    assert view.kv_tokens == 2050 and view.load > before
+    assert view.iteration_end == pytest.approx(2.0 + view.load)
+    assert view.snapshot(50).residents[0].num_output_tokens == 50
+
+
+def test_baselines_ignore_tiers():
+    rr = make_router("round-robin")
+    ready(rr, "a", "b", "c")
+    chosen = [rr.submit(request(f"r{i}", i % 3), 0.0).instance_id for i in range(6)]
+    assert sorted(chosen[:3]) == ["a", "b", "c"] and chosen[:3] == chosen[3:]
+    ll = make_router("least-loaded")
+    ready(ll, "a", "b")
+    fill(ll, "a", STD, 1)
+    assert ll.submit(request("x", TIGHT), 0.0).instance_id == "b"
+    assert ll.submit(request("y", STD), 0.0).instance_id in ("a", "b")
+    rnd = make_router("random")
+    ready(rnd, "a", "b", "c")
+    picks = {rnd.submit(request(f"r{i}", 0), 0.0).instance_id for i in range(30)}  # placed past any KV: no test
+    assert picks == {"a", "b", "c"}
+    assert all(v.tier is None for v in rnd.fleet.instances.values())
+
+
+def test_autoscaler_plan():
+    router = make_router(min_instances=1, max_instances=3, idle_pool=1, stop_after_idle_s=10.0)
+    auto = router.autoscaler
+    assert auto.plan(router.fleet, [], 0.0) == ScalePlan(num_to_start=1)  # min 1, pool 1: one covers both
+    router.add_instance("a", 0.0)
+    assert auto.plan(router.fleet, [], 0.0) == ScalePlan()  # starting counts
+    router.on_ready("a", CAPACITY, 1.0)
+    fill(router, "a", STD, 3)  # a leaves the pool for tier std
+    assert auto.plan(router.fleet, [], 1.0) == ScalePlan(num_to_start=1)  # the pool is short
+    router.add_instance("b", 1.0)
+    router.on_ready("b", CAPACITY, 2.0)
+    assert auto.plan(router.fleet, [STD], 2.0) == ScalePlan(num_to_start=1)  # a waiting tier wants one more
+    router.add_instance("c", 2.0)
+    assert auto.plan(router.fleet, [STD, TIGHT], 2.0) == ScalePlan()  # max_instances reached
+    router.on_ready("c", CAPACITY, 3.0)
+    assert auto.plan(router.fleet, [], 5.0) == ScalePlan()  # b and c idle: one too many, but not idle long enough
+    assert auto.plan(router.fleet, [], 12.5) == ScalePlan(to_stop=("b",))  # the longest idle goes
+    router.start_draining("b", 12.5)
+    router.remove_instance("b", 13.0)
+    router.on_lost("a", 14.0)  # a dies: only c is left, in the pool
+    assert auto.plan(router.fleet, [], 14.0) == ScalePlan()  # min 1 and pool 1 are met by c
+    router.remove_instance("a", 14.0)
+    fill(router, "c", TIGHT, 1)
+    assert auto.plan(router.fleet, [], 15.0) == ScalePlan(num_to_start=1)  # replace into the pool
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="policy"):
+        Router(TIERS, MODEL, policy="fastest")
+    with pytest.raises(ValueError, match="max_instances"):
+        ScalingLimits(min_instances=3, max_instances=2)
+    router = make_router()
+    ready(router, "a")
+    with pytest.raises(ValueError, match="already"):
+        router.add_instance("a", 0.0)
+    with pytest.raises(KeyError, match="unknown instance"):
+        router.on_ready("zz", CAPACITY, 0.0)
+    router.submit(request("dup", STD), 0.0)
+    with pytest.raises(ValueError, match="already placed"):
+        router.submit(request("dup", STD), 0.0)
