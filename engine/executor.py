@@ -35,9 +35,11 @@ class EmulatedExecutor:
     """Deterministic tokens (a function of the last token and its position, never an end-of-sequence id) after
     sleeping `step_time(prefill tokens, decode seqs, kv tokens)` seconds."""
 
-    def __init__(self, step_time: StepTimeFn, num_kv_blocks: int, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, step_time: StepTimeFn, num_kv_blocks: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 sleep: Callable[[float], None] = time.sleep):
         self.step_time, self.num_kv_blocks, self.vocab_size = step_time, num_kv_blocks, vocab_size
         self.eos = set(eos_token_ids)
+        self.sleep = sleep  # a virtual clock's advance in tests
 
     def execute(self, batch: StepBatch) -> tuple[list[int], list[float] | None]:
         meta = batch.meta
@@ -51,6 +53,6 @@ class EmulatedExecutor:
                 tok = (tok + 1) % self.vocab_size
             tokens.append(tok)
         if delay > 0:
-            time.sleep(delay)
+            self.sleep(delay)
         logprobs = [0.0] * len(tokens) if any(p.logprobs for p in batch.params) else None
         return tokens, logprobs

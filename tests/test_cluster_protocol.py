@@ -1,0 +1,219 @@
+"""The wire protocol: round trips, bounds, and fuzzing a live worker (random, truncated, oversized and misdirected
+frames each close their own connection; the worker keeps serving the others), and a router fed garbage by an
+engine (that engine is dropped, the router keeps serving)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+
+import msgspec
+import pytest
+
+from cluster import protocol as p
+from cluster.router import Router
+from cluster.service import RouterService
+from cluster.worker import ResidentRecorder, Worker
+from engine.config import EngineConfig
+from engine.llm import build_engine
+from engine.sampling_params import SamplingParams
+from scheduler.policy import FCFSPolicy
+from scheduler.slo import SLO
+from scheduler.tiers import Tier, TierSet
+
+SAMPLES = [
+    p.Hello(p.PROTOCOL_VERSION, "engine-0", 123, 5.5, 1000, 16, 4096, 32000, True, "emulated"),
+    p.Submit("r1", [1, 2, 3], p.SamplingSpec(temperature=0.0, max_tokens=7, stop=["\n"], seed=3), p.SLOSpec(250, 20),
+             0.125),
+    p.Submit("r2", list(range(5000)), p.SamplingSpec(), None, 0.0),
+    p.Abort("r1"),
+    p.Drain(),
+    p.Tokens([p.TokenDelta("r1", [5, 6], "ab", [1.0, 1.5], [-0.1, -0.2]), p.TokenDelta("r2", [], "", [])]),
+    p.Finish("r1", "stop", 2, 16),
+    p.Error("r1", "invalid", "token id 99999 is outside the vocabulary"),
+    p.StepReport(1.0, 0.004, 512, 3, 2048, 40, 1000, 4, 1, [p.Resident("r1", 10, 11, 2)]),
+    p.Heartbeat(7.25, 4, 1),
+    p.Drained(),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    frame = p.encode_frame(msg)
+    (size,) = p.HEADER.unpack(frame[:4])
+    assert size == len(frame) - 4
+    assert p.decode_payload(frame[4:]) == msg
+    assert msgspec.msgpack.decode(frame[4:])[0] == f"{msg.__struct_config__.tag}"
+    assert msg.__struct_config__.tag.endswith(f".{p.PROTOCOL_VERSION}")
+
+
+def test_other_versions_and_garbage_are_protocol_errors():
+    body = msgspec.msgpack.decode(p.encode_frame(SAMPLES[3])[4:])
+    body[0] = "abort.2"
+    with pytest.raises(p.ProtocolError, match="abort.2"):
+        p.decode_payload(msgspec.msgpack.encode(body))
+    with pytest.raises(p.ProtocolError, match="malformed"):
+        p.decode_payload(msgspec.msgpack.encode(["submit.1", "r", "not a list", [], None, 0.0]))
+    with pytest.raises(ValueError, match="exceeds the bound"):
+        p.encode_frame(p.Submit("big", [7] * 100, p.SamplingSpec(), None, 0.0), max_bytes=64)
+
+
+def test_decoder_fuzz_raises_only_protocol_errors():
+    rng = random.Random(0)
+    frames = [p.encode_frame(m)[4:] for m in SAMPLES]
+    decoded = errors = 0
+    for i in range(3000):
+        if i % 2:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        else:  # a valid frame with a few bytes flipped, cut or extended
+            data = bytearray(rng.choice(frames))
+            for _ in range(rng.randrange(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            data = bytes(data[:rng.randrange(1, len(data) + 1)]) if rng.random() < 0.5 else bytes(data)
+        try:
+            p.decode_payload(data)
+            decoded += 1
+        except p.ProtocolError:
+            errors += 1
+    assert errors > 2000 and decoded + errors == 3000
+
+
+def _tiny_model(folder) -> str:
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 4096, "eos_token_id": 2}))
+    return str(folder)
+
+
+async def _read_all(reader: asyncio.StreamReader, until_finish: str | None = None, timeout: float = 10.0):
+    msgs = []
+    async with asyncio.timeout(timeout):
+        while (msg := await p.read_message(reader)) is not None:
+            msgs.append(msg)
+            if until_finish is not None and isinstance(msg, p.Finish) and msg.request_id == until_finish:
+                break
+    return msgs
+
+
+def _submit(rid: str, max_tokens: int = 20) -> bytes:
+    return p.encode_frame(p.Submit(rid, [5, 6, 7, 8], p.SamplingSpec(temperature=0.0, max_tokens=max_tokens),
+                                   p.SLOSpec(1000, 100), 0.0))
+
+
+def test_worker_survives_fuzzed_connections(tmp_path, caplog):
+    engine = build_engine(EngineConfig(model=_tiny_model(tmp_path), executor="emulated", num_kv_blocks=256),
+                          ResidentRecorder(FCFSPolicy(2048, 64)), step_time=lambda *_: 0.002)
+    recorder = engine.policy
+
+    async def scenario():
+        worker = Worker(engine, recorder, instance_id="w", executor="emulated", heartbeat_s=0.2)
+        port = await worker.start()
+        good_r, good_w = await asyncio.open_connection("127.0.0.1", port)
+        hello = await p.read_message(good_r)
+        assert isinstance(hello, p.Hello) and hello.instance_id == "w" and hello.num_kv_blocks == 256
+        good_w.write(_submit("long", max_tokens=200))  # runs through the whole fuzzing
+
+        rng = random.Random(1)
+        valid = p.encode_frame(SAMPLES[1])
+        kinds = ["random", "bad_payload", "truncated", "oversized", "zero", "misdirected"]
+        closed_by_worker = 0
+        for i in range(60):
+            kind = kinds[i % len(kinds)]
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            assert isinstance(await p.read_message(r), p.Hello)
+            if kind == "random":
+                w.write(bytes(rng.randrange(256) for _ in range(rng.randrange(5, 200))))
+            elif kind == "bad_payload":
+                junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 100)))
+                w.write(p.HEADER.pack(len(junk)) + junk)
+            elif kind == "truncated":
+                w.write(valid[:rng.randrange(1, len(valid))])
+                w.write_eof()
+            elif kind == "oversized":
+                w.write(p.HEADER.pack(p.MAX_FRAME_BYTES + 1) + b"x" * 16)
+            elif kind == "zero":
+                w.write(p.HEADER.pack(0))
+            else:
+                w.write(p.encode_frame(p.Tokens([])))
+            rest = await _read_all(r, timeout=5.0)  # the worker closes the connection (EOF), saying why
+            errors = [m for m in rest if isinstance(m, p.Error) and m.kind == "protocol"]
+            closed_by_worker += bool(errors)
+            w.close()
+        # the good connection's request was never disturbed, and new connections are served
+        got = await _read_all(good_r, until_finish="long", timeout=20.0)
+        tokens = [t for m in got if isinstance(m, p.Tokens) for d in m.deltas for t in d.token_ids]
+        assert len(tokens) == 200
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        await p.read_message(r2)
+        w2.write(_submit("after"))
+        got = await _read_all(r2, until_finish="after")
+        finish = [m for m in got if isinstance(m, p.Finish)]
+        assert finish and finish[0].num_output_tokens == 20
+        assert any(isinstance(m, p.StepReport) for m in got)
+        good_w.close()
+        w2.close()
+        await worker.stop()
+        return closed_by_worker
+
+    with caplog.at_level(logging.WARNING, logger="cluster.worker"):
+        closed = asyncio.run(scenario())
+    assert closed >= 50  # all but the truncated ones (those end by EOF before a full frame) get a reason
+    assert sum("closing connection" in r.message for r in caplog.records) >= 50
+    assert not engine.has_unfinished()
+
+
+def test_worker_rejects_bad_requests_and_drains(tmp_path):
+    engine = build_engine(EngineConfig(model=_tiny_model(tmp_path), executor="emulated", num_kv_blocks=64),
+                          ResidentRecorder(FCFSPolicy(2048, 64)), step_time=lambda *_: 0.001)
+
+    async def scenario():
+        worker = Worker(engine, engine.policy, instance_id="w", executor="emulated")
+        port = await worker.start()
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        await p.read_message(r)
+        w.write(p.encode_frame(p.Submit("oov", [5, 5000], p.SamplingSpec(), None, 0.0)))
+        w.write(p.encode_frame(p.Submit("neg", [5], p.SamplingSpec(temperature=-1.0), None, 0.0)))
+        w.write(_submit("ok", max_tokens=30))
+        w.write(p.encode_frame(p.Drain()))
+        w.write(_submit("late"))
+        got = await _read_all(r)  # until the worker closes after Drained
+        errors = {m.request_id: (m.kind, m.message) for m in got if isinstance(m, p.Error)}
+        assert errors["oov"][0] == "invalid" and "vocabulary" in errors["oov"][1]
+        assert errors["neg"][0] == "invalid" and "temperature" in errors["neg"][1]
+        assert errors["late"][0] == "draining"
+        kinds = [type(m).__name__ for m in got]
+        assert kinds.index("Finish") < kinds.index("Drained") == len(kinds) - 1  # residents finish first
+        await asyncio.wait_for(worker.done.wait(), 5)
+
+    asyncio.run(scenario())
+
+
+def test_router_drops_an_engine_that_sends_garbage_and_keeps_serving():
+    tiers = TierSet([Tier("std", 50, 1000)])
+    from cluster.emulation import emulated_latency_model
+
+    async def scenario():
+        async def fake_engine(reader, writer):
+            writer.write(p.encode_frame(p.Hello(p.PROTOCOL_VERSION, "bad", 1, 0.0, 100, 16, 4096, 1000, False,
+                                                "emulated")))
+            await reader.read(1)  # the router's Submit: answer it with garbage
+            writer.write(p.HEADER.pack(5) + b"\xc1\xc1\xc1\xc1\xc1")
+            await writer.drain()
+
+        server = await asyncio.start_server(fake_engine, "127.0.0.1", 0)
+        service = RouterService(Router(tiers, emulated_latency_model()), heartbeat_timeout_s=5.0)
+        await service.start()
+        await service.attach("127.0.0.1", server.sockets[0].getsockname()[1])
+        gen = service.generate("x", [1, 2, 3], SamplingParams(max_tokens=4), SLO(1000, 50), 0.0)
+        from engine.api_server import NoInstanceError
+
+        with pytest.raises(NoInstanceError):  # its only instance died before a token: nowhere to place it again
+            await asyncio.wait_for(anext(gen), 10)
+        assert "bad" not in service.router.fleet.instances and not service.links
+        assert service.router.counts["lost"] == 1
+        await service.stop()
+        server.close()
+
+    asyncio.run(scenario())
