@@ -21,10 +21,13 @@ class InstanceStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class RoutedRequest:
-    """A request as the router knows it. The progress fields follow the host's step reports."""
+    """A request as the router knows it. The progress fields follow the host's step reports.
+
+    It has every field of `scheduler.instance_state.RequestSnapshot` under the same name, so an instance's residents
+    go into its InstanceState as they are: no copy per resident each time a report invalidates the snapshot."""
     request_id: str
-    tier: int  # index into the router's TierSet: the tier whose queue and instances it belongs to
-    tier_name: str
+    tier_index: int  # index into the router's TierSet: the tier whose queue and instances it belongs to
+    tier: str  # its name: the key of the output-length mean it is charged
     slo: SLO
     arrival: float
     num_prompt_tokens: int
@@ -38,7 +41,7 @@ class RoutedRequest:
         """As the attainability test sees it, dated `arrival` (its own, or now for a late candidate)."""
         tokens = self.num_prompt_tokens + self.num_output_tokens
         computed = self.num_computed_tokens if self.num_computed_tokens <= tokens else tokens
-        return RequestSnapshot(arrival, self.num_prompt_tokens, self.max_tokens, self.slo, self.tier_name, computed,
+        return RequestSnapshot(arrival, self.num_prompt_tokens, self.max_tokens, self.slo, self.tier, computed,
                                self.num_output_tokens)
 
 
@@ -65,7 +68,7 @@ class InstanceView:
         """The attainability test's view, held to `tpot_ms`; rebuilt only after the residents changed."""
         state = self.state
         if state is None or state.tpot_ms != tpot_ms:
-            state = self.state = InstanceState(tuple(r.snapshot(r.arrival) for r in self.residents.values()),
+            state = self.state = InstanceState(tuple(self.residents.values()),
                                                self.kv_capacity_tokens, self.iteration_end, tpot_ms)
         return state
 

@@ -40,6 +40,7 @@ class LocalLauncher:
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), self.env.get("PYTHONPATH")]))
         self.processes: dict[str, _Process] = {}
         self.cold_starts: list[float] = []  # seconds from spawn to READY, every successful start
+        self.exit_codes: dict[str, int] = {}  # instance id -> exit status of its process, once reaped
 
     @property
     def capacity(self) -> int | None:
@@ -61,7 +62,7 @@ class LocalLauncher:
         spawned = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             self.python, "-m", "cluster.worker", "--host", self.host, "--port", "0", "--instance-id", instance_id,
-            *self.worker_args, cwd=str(REPO_ROOT), env=env, stdin=asyncio.subprocess.DEVNULL,
+            "--parent-pid", str(os.getpid()), *self.worker_args, cwd=str(REPO_ROOT), env=env, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE)
         self.processes[instance_id] = _Process(proc, gpu, spawned)
         try:
@@ -129,7 +130,8 @@ class LocalLauncher:
         p = self.processes.pop(instance_id, None)
         if p is None:
             return None
-        return await p.proc.wait()
+        status = self.exit_codes[instance_id] = await p.proc.wait()
+        return status
 
     async def close(self) -> None:
         for instance_id in list(self.processes):

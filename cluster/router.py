@@ -205,18 +205,18 @@ class Router:
         fleet = self.fleet
         if not any(v.status in (InstanceStatus.READY, InstanceStatus.STARTING) for v in fleet.instances.values()) \
                 and (self.autoscaler is None or not self.autoscaler.can_start):
-            self._log(now, "no_instance", req.request_id, None, req.tier)
+            self._log(now, "no_instance", req.request_id, None, req.tier_index)
             return Decision(Outcome.NO_INSTANCE)
-        queue = self.queues[req.tier]
+        queue = self.queues[req.tier_index]
         if not readmit and len(queue) >= self.queue_limit:
-            self._log(now, "queue_full", req.request_id, None, req.tier)
-            return Decision(Outcome.QUEUE_FULL, retry_after_s=self._retry_after(req.tier))
+            self._log(now, "queue_full", req.request_id, None, req.tier_index)
+            return Decision(Outcome.QUEUE_FULL, retry_after_s=self._retry_after(req.tier_index))
         if readmit:
             queue.appendleft(req)  # it has waited longest of all
         else:
             queue.append(req)
         self.requests[req.request_id] = req
-        self._log(now, "queued", req.request_id, None, req.tier)
+        self._log(now, "queued", req.request_id, None, req.tier_index)
         return Decision(Outcome.QUEUED)
 
     def on_placed(self, req: RoutedRequest, instance_id: str, now: float) -> None:
@@ -226,7 +226,7 @@ class Router:
         if view.status is not InstanceStatus.READY:
             raise ValueError(f"instance {instance_id!r} is {view.status.value}, not serving")
         how = How.BASELINE if self.policy != "polyserve" else \
-            How.SCALED_UP if view.tier is None else How.OWN if view.tier == req.tier else How.PROMOTED
+            How.SCALED_UP if view.tier is None else How.OWN if view.tier == req.tier_index else How.PROMOTED
         self._apply(req, view, how, now)
 
     def on_report(self, instance_id: str, report: InstanceReport, now: float) -> None:
@@ -237,8 +237,9 @@ class Router:
         for r in report.residents:
             req = residents.get(r.request_id)
             if req is not None:
-                req.num_computed_tokens = r.num_computed_tokens
-                req.num_output_tokens = r.num_output_tokens
+                out = r.num_output_tokens
+                req.num_output_tokens = out
+                req.num_computed_tokens = min(r.num_computed_tokens, req.num_prompt_tokens + out)
         view.num_blocks_used = report.num_blocks_used
         self._refresh(view)
         view.iteration_end = report.iteration_end + view.load  # the next step started as the reported one ended
@@ -248,12 +249,12 @@ class Router:
         if req is None:
             return
         if completed:
-            self.output_lengths.observe(req.tier_name, num_output_tokens)
+            self.output_lengths.observe(req.tier, num_output_tokens)
         view = self.fleet.instances.get(req.instance_id) if req.instance_id is not None else None
         if view is None:
             return
         if view.residents.pop(request_id, None) is not None:
-            if req.tier == view.tier:
+            if req.tier_index == view.tier:
                 view.num_own_tier -= 1
             self._refresh(view)
         if view.tier is not None:
@@ -263,7 +264,7 @@ class Router:
         req = self.requests.get(request_id)
         if req is None or req.instance_id is not None:
             return False
-        self.queues[req.tier].remove(req)
+        self.queues[req.tier_index].remove(req)
         del self.requests[request_id]
         return True
 
@@ -297,14 +298,14 @@ class Router:
             return None if view is None else (view, How.BASELINE)
         snap = req.snapshot(now if req.late else req.arrival)
         check, tpots, members = self.checker.check, self._tier_tpot_ms, self.fleet.members
-        for tier in range(req.tier, -1, -1):  # own tier, then the tighter ones nearest first
+        for tier in range(req.tier_index, -1, -1):  # own tier, then the tighter ones nearest first
             tpot = tpots[tier]
             for view in sorted(members[tier], key=_load, reverse=True):
                 if view.status is InstanceStatus.READY and check(view.snapshot(tpot), snap, now).ok:
-                    return view, How.OWN if tier == req.tier else How.PROMOTED
-        if self.autoscaler is not None and not self.autoscaler.can_join(self.fleet, req.tier):
+                    return view, How.OWN if tier == req.tier_index else How.PROMOTED
+        if self.autoscaler is not None and not self.autoscaler.can_join(self.fleet, req.tier_index):
             return None
-        tpot = tpots[req.tier]
+        tpot = tpots[req.tier_index]
         for view in sorted(self.fleet.idle, key=lambda v: len(v.residents)):  # empty ones first
             if view.tightest_resident_tpot_ms() >= tpot and check(view.snapshot(tpot), snap, now).ok:
                 return view, How.SCALED_UP
@@ -333,21 +334,21 @@ class Router:
     def _apply(self, req: RoutedRequest, view: InstanceView, how: How, now: float) -> None:
         if how is How.SCALED_UP:
             self.fleet.idle.remove(view)
-            self._join(view, req.tier, now)
+            self._join(view, req.tier_index, now)
         req.instance_id = view.instance_id
         req.num_computed_tokens = req.num_output_tokens = 0
         view.residents[req.request_id] = req
-        if req.tier == view.tier:
+        if req.tier_index == view.tier:
             view.num_own_tier += 1
         view.kv_tokens += req.num_prompt_tokens
         view.load = self.model.predict(0, len(view.residents), view.kv_tokens)
         view.state = None
         self.requests[req.request_id] = req
-        self._log(now, how.value, req.request_id, view.instance_id, req.tier)
+        self._log(now, how.value, req.request_id, view.instance_id, req.tier_index)
 
     def _join(self, view: InstanceView, tier: int, now: float) -> None:
         view.tier, view.since = tier, now
-        view.num_own_tier = sum(1 for r in view.residents.values() if r.tier == tier)
+        view.num_own_tier = sum(1 for r in view.residents.values() if r.tier_index == tier)
         view.state = None
         self.fleet.members[tier].append(view)
 

@@ -157,7 +157,7 @@ class RouterService:
             now = self.clock()
             decision = self.router.submit(routed, now)
             if decision.outcome is Outcome.QUEUE_FULL:
-                raise QueueFullError(f"tier {tier.name} has {self.router.queue_length(routed.tier)} requests "
+                raise QueueFullError(f"tier {tier.name} has {self.router.queue_length(routed.tier_index)} requests "
                                      f"waiting, its bound", decision.retry_after_s)
             if decision.outcome is Outcome.NO_INSTANCE:
                 raise NoInstanceError("no engine instance is serving or starting, and none can be started")
@@ -182,7 +182,7 @@ class RouterService:
         if not stream.sent:
             stream.sent = True
             if self.metrics is not None:
-                self.metrics.observe_queue_time(stream.routed.tier_name, max(0.0, submit.queued_s))
+                self.metrics.observe_queue_time(stream.routed.tier, max(0.0, submit.queued_s))
 
     def _dispatch(self, placements: list[Placement], now: float) -> None:
         for placement in placements:

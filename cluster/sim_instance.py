@@ -111,13 +111,13 @@ class SimInstance:
         self.version = 0  # bumped whenever the pending event moves, so stale heap entries are skipped
         # the regular step in flight
         self._items: list[tuple[SimRequest, int]] = []
-        self._step_start = self._step_end = 0.0
+        self._step_start = 0.0
         self._shape = (0, 0, 0)
         # the decode run in flight: steps [0, _run_len) from _run_start; emit times of the laid-out chunk in _ends
         self._run_len = 0
         self._run_base = 0  # run step index of _ends[0]
         self._run_applied = 0  # entries of _ends already applied to the residents
-        self._run_start = 0.0
+        self._run_start = self._chunk_start = 0.0
         self._run_kv0 = 0  # KV tokens of the run's first step
         self._ends: list[float] = []
         self._tpots: list[float] = []  # distinct TPOTs (s) among the run's residents
@@ -132,24 +132,6 @@ class SimInstance:
     @property
     def num_residents(self) -> int:
         return len(self.running) + len(self.waiting)
-
-    def iteration_end(self, now: float) -> float:
-        """When the iteration in flight at `now` ends (`now` when idle). Brings the residents up to `now`."""
-        if self.state == RUN:
-            self._apply_run_until(now)
-            return self._ends[self._run_applied]
-        if self.state == STEP:
-            return self._step_end
-        return now
-
-    def current_iteration_s(self) -> float:
-        """Predicted (= simulated) time of the iteration in flight; 0 when idle: the router's load figure."""
-        if self.state == IDLE:
-            return 0.0
-        if self.state == STEP:
-            return self._step_end - self._step_start
-        i = self._run_applied
-        return self._ends[i] - (self._ends[i - 1] if i else self._chunk_start)
 
     def sync(self, now: float) -> None:
         """Apply every step that ended before `now` to the residents (a decode run applies lazily)."""
@@ -217,14 +199,14 @@ class SimInstance:
             self.state, self.event_time = IDLE, math.inf
             return
         self._admit_newcomers(items)
-        duration = self.model.predict(num_new - num_decode, num_decode, num_kv)
         if (self.fast_forward and num_decode == len(items) == len(self.running) and not self.waiting
                 and not plan.preempted):
-            self._start_run(now, duration, num_kv)
+            self._start_run(now, num_kv)
             return
+        duration = self.model.predict(num_new - num_decode, num_decode, num_kv)
         self.state = STEP
         self._items = items
-        self._step_start, self._step_end = now, now + duration
+        self._step_start = now
         self._shape = (num_new - num_decode, num_decode, num_kv)
         self._set_event(now + duration)
 
@@ -257,8 +239,9 @@ class SimInstance:
                 if req.num_output_tokens >= req.output_len:
                     finished.append(req)
         num_prefill, num_decode, num_kv = self._shape
+        num_seqs = len(self._items)
         self._items = []
-        self._record_step(self._step_start, t - self._step_start, num_prefill, num_decode, num_kv)
+        self._record_step(self._step_start, t - self._step_start, num_prefill, num_decode, num_kv, num_seqs)
         if finished:
             self._retire(finished, t)
 
@@ -272,16 +255,17 @@ class SimInstance:
         self.running = [r for r in self.running if id(r) not in gone]
         self.on_finish(self, finished, t)
 
-    def _record_step(self, start: float, duration: float, num_prefill: int, num_decode: int, num_kv: int) -> None:
+    def _record_step(self, start: float, duration: float, num_prefill: int, num_decode: int, num_kv: int,
+                     num_seqs: int) -> None:
         self.busy_time += duration
         self.num_steps += 1
         self.last_end = start + duration
         self.policy.observe(StepStats(start, duration, num_prefill, num_decode, num_kv,
                                       self.num_total_blocks - self.free_blocks, len(self.running),
-                                      len(self.waiting)))
+                                      len(self.waiting), num_seqs))
 
     # ---- decode runs ----------------------------------------------------------------------------------------
-    def _start_run(self, now: float, first_duration: float, kv0: int) -> None:
+    def _start_run(self, now: float, kv0: int) -> None:
         residents = self.running
         bs = self.block_size
         finish_in = min(r.output_len - r.num_output_tokens for r in residents)
@@ -307,7 +291,6 @@ class SimInstance:
         self._ends = []
         self._run_applied = 0
         self._chunk_start = now
-        self._first_duration = first_duration
         self._lay_out_chunk()
 
     def _lay_out_chunk(self) -> None:
@@ -321,7 +304,7 @@ class SimInstance:
         kv = self._run_kv0 + b * base
         ends = []
         for i in range(base, base + count):
-            t += self._first_duration if i == 0 else predict(0, b, kv)
+            t += predict(0, b, kv)  # the first step's too: the same call _start_step made
             ends.append(t)
             kv += b
         self._ends = ends
@@ -389,7 +372,7 @@ class SimInstance:
         base = self._run_base
         for j in range(a, k):
             i = base + j
-            record(prev, ends[j] - prev, 0, b, self._run_kv0 + b * i)
+            record(prev, ends[j] - prev, 0, b, self._run_kv0 + b * i, b)
             prev = ends[j]
         self._run_applied = k
 
@@ -410,7 +393,7 @@ class SimInstance:
         b = len(self.running)
         self.state = STEP
         self._items = [(r, 1) for r in self.running]
-        self._step_start, self._step_end = start, end
+        self._step_start = start
         self._shape = (0, b, self._run_kv0 + b * (self._run_base + i))
         self._ends = []
         if end != self.event_time:

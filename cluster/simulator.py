@@ -101,6 +101,7 @@ class SimResult:
     ttft: np.ndarray  # nan when not served
     mean_tpot: np.ndarray  # nan with fewer than two tokens
     max_gap: np.ndarray
+    worst_lateness: np.ndarray  # max over tokens of emit - deadline (<= 0: attained); nan when not served
     promoted: np.ndarray  # bool: served on an instance of a tighter tier
     preemptions: np.ndarray
     tier_names: tuple[str, ...]
@@ -282,8 +283,9 @@ class Simulator:
 
     # ---- requests --------------------------------------------------------------------------------------------
     def _arrive(self, sreq: SimRequest, tier_index: int, now: float) -> None:
-        routed = RoutedRequest(sreq.request_id, tier_index, sreq.tier, sreq.slo, sreq.arrival,
-                               sreq.num_prompt_tokens, sreq.max_tokens)
+        routed = RoutedRequest(request_id=sreq.request_id, tier_index=tier_index, tier=sreq.tier, slo=sreq.slo,
+                               arrival=sreq.arrival, num_prompt_tokens=sreq.num_prompt_tokens,
+                               max_tokens=sreq.max_tokens)
         self._sync_reports(now)
         decision = self.router.submit(routed, now)
         if decision.outcome is Outcome.PLACED:
@@ -373,6 +375,7 @@ class Simulator:
         ttft = np.full(n, np.nan)
         mean_tpot = np.full(n, np.nan)
         max_gap = np.full(n, np.nan)
+        lateness = np.full(n, np.nan)
         promoted = np.zeros(n, dtype=bool)
         preemptions = np.zeros(n, dtype=np.int64)
         for i, r in enumerate(requests):
@@ -380,6 +383,7 @@ class Simulator:
                 continue
             served[i] = True
             attained[i] = r.worst_lateness <= 0
+            lateness[i] = r.worst_lateness
             ttft[i] = r.first_token_time - r.arrival
             first_ok = ttft[i] <= r.slo.ttft_ms / 1000.0
             if r.num_output_tokens > 1:
@@ -396,7 +400,7 @@ class Simulator:
         return SimResult(
             tier=workload.tier_index.astype(np.int64), arrival=workload.arrivals, served=served, attained=attained,
             attained_mean_tpot=attained_mean, attained_max_gap=attained_gap, ttft=ttft, mean_tpot=mean_tpot,
-            max_gap=max_gap, promoted=promoted, preemptions=preemptions,
+            max_gap=max_gap, worst_lateness=lateness, promoted=promoted, preemptions=preemptions,
             tier_names=tuple(t.name for t in self.tiers), end_time=self._now,
             instance_seconds=self._instance_seconds, samples=samples,
             counts={**dict(self.router.counts), "rejected": len(self._rejected),

@@ -74,13 +74,15 @@ class _Connection:
 
 class Worker:
     def __init__(self, engine: Engine, recorder: ResidentRecorder, *, instance_id: str, executor: str,
-                 heartbeat_s: float = 0.5, clock=time.monotonic):
+                 heartbeat_s: float = 0.5, parent_pid: int | None = None, clock=time.monotonic):
+        """`parent_pid`: exit when that process is gone (a launcher's workers must not outlive it)."""
         if not heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be positive, got {heartbeat_s}")
         recorder.engine = engine
         self.engine, self.recorder = engine, recorder
         self.async_engine = AsyncEngine(engine, on_step=self._on_step)
         self.instance_id, self.executor, self.heartbeat_s, self.clock = instance_id, executor, heartbeat_s, clock
+        self.parent_pid = parent_pid
         self.connections: set[_Connection] = set()
         self.draining = False
         self._drained = False
@@ -221,6 +223,10 @@ class Worker:
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.warning("parent process %d is gone; exiting", self.parent_pid)
+                asyncio.get_running_loop().create_task(self.stop())
+                return
             beat = p.encode_frame(p.Heartbeat(self.clock(), len(self.engine.running), len(self.engine.waiting)))
             for conn in self.connections:
                 conn.frames.append(beat)
@@ -300,13 +306,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     return ap.parse_args(argv)
 
 
 async def _main(args: argparse.Namespace) -> None:
     engine, recorder = build_worker_engine(args)
     worker = Worker(engine, recorder, instance_id=args.instance_id, executor=args.executor,
-                    heartbeat_s=args.heartbeat_s)
+                    heartbeat_s=args.heartbeat_s, parent_pid=args.parent_pid)
     port = await worker.start(args.host, args.port)
     print(f"READY {port}", flush=True)
     await worker.done.wait()

@@ -47,13 +47,14 @@ class AsyncEngine:
         return await asyncio.wrap_future(fut)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       slo: SLO | None = None, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+                       slo: SLO | None = None, arrival: float | None = None,
+                       tier: str = "") -> AsyncIterator[RequestOutput]:
         """Adds the request (raising InvalidRequestError at once if it can't run) and yields its outputs; leaving
         the iteration early aborts the request and frees its KV."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         try:
-            await self.call(Engine.add_request, request_id, prompt, params, slo, arrival)
+            await self.call(Engine.add_request, request_id, prompt, params, slo, arrival, tier)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -46,6 +46,7 @@ class RequestOutput:
     token_times: list[float]
     logprobs: list[float] | None
     num_cached_tokens: int
+    first_scheduled_time: float | None = None
     error: str | None = None
 
 
@@ -168,7 +169,7 @@ class Engine:
                    for i, (r, t) in enumerate(zip(sampled, tokens))]
         stats = StepStats(start, self.clock() - start, num_prefill, num_decode, num_kv,
                           self.blocks.num_total_blocks - self.blocks.num_free_blocks(), len(self.running),
-                          len(self.waiting))
+                          len(self.waiting), len(items))
         self.step_stats.append(stats)
         self.policy.observe(stats)
         if hasattr(self.latency_model, "observe"):
@@ -213,6 +214,8 @@ class Engine:
                 continue
             req.num_blocks = self.blocks.num_blocks_of(req.seq_id)
             if newcomer:
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = self.clock()
                 self.waiting.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
@@ -267,4 +270,4 @@ class Engine:
             finish_reason=req.finish_reason, arrival=req.arrival,
             first_token_time=req.token_times[0] if req.token_times else None, token_times=req.token_times,
             logprobs=req.output_logprobs if req.params.logprobs else None, num_cached_tokens=req.num_cached_tokens,
-            error=req.error)
+            first_scheduled_time=req.first_scheduled_time, error=req.error)

@@ -1,7 +1,7 @@
 """`EngineBackend`: one engine in this process behind the HTTP API (the `Backend` of `engine.api_server`)."""
 from __future__ import annotations
 
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 from engine.api_server import NoInstanceError, QueueFullError
 from engine.async_engine import AsyncEngine
@@ -9,53 +9,24 @@ from engine.engine import Engine, InvalidRequestError, RequestOutput
 from engine.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from scheduler.attainability import AttainabilityChecker
 from scheduler.instance_state import RequestSnapshot
-from scheduler.latency_model import LatencyModel
-from scheduler.output_length import OutputLengthTracker
 from scheduler.slo import SLO
 from scheduler.tiers import TierSet
-from scheduler.types import KvState, SchedulableRequest, StepPlan, StepStats
+from scheduler.types import StepStats
 
 INSTANCE = "0"  # this backend's one instance, as /metrics labels it
-
-
-class _SchedulingProbe:
-    """Wraps the engine's batch policy to see what only the step loop knows: when a request is first scheduled
-    (its queue time) and how many sequences a step holds. Runs on the engine thread; prometheus metrics are
-    thread-safe."""
-
-    __slots__ = ("policy", "tier_of", "metrics")
-
-    def __init__(self, policy, tier_of: dict[str, str]):
-        self.policy, self.tier_of, self.metrics = policy, tier_of, None
-
-    def schedule(self, now: float, running: Sequence[SchedulableRequest], waiting: Sequence[SchedulableRequest],
-                 kv: KvState) -> StepPlan:
-        plan = self.policy.schedule(now, running, waiting, kv)
-        if self.metrics is not None:
-            for req, n in plan.scheduled:
-                tier = self.tier_of.pop(req.request_id, None) if n > 0 else None  # pop: first scheduling only
-                if tier is not None:
-                    self.metrics.observe_queue_time(tier, max(0.0, now - req.arrival))
-            self.metrics.observe_batch(INSTANCE, sum(1 for _, n in plan.scheduled if n > 0))
-        return plan
-
-    def observe(self, stats: StepStats) -> None:
-        self.policy.observe(stats)
 
 
 class EngineBackend:
     """Builds the AsyncEngine around `engine` (whose step loop starts with `start`).
 
-    Admission: the tier and SLO checks of `slo_for` (with a latency model, an SLO that an idle instance could not
-    meet is refused), then a bound on requests still waiting for their first token (`max_pending`, else
-    QueueFullError with `retry_after_s`).
+    Admission: the tier and SLO checks of `slo_for` (with `check_idle`, an SLO that an idle instance could not
+    meet by the engine's latency model is refused), then a bound on requests still waiting for their first token
+    (`max_pending`, else QueueFullError with `retry_after_s`).
     """
 
     def __init__(self, engine: Engine, model_name: str, tiers: TierSet, default_tier: str | None = None, *,
-                 latency_model: LatencyModel | None = None, max_prefill_chunk: int = 2048,
-                 expected_output_tokens: float = 128.0, max_pending: int = 256, retry_after_s: float = 1.0):
+                 check_idle: bool = False, max_pending: int = 256, retry_after_s: float = 1.0):
         if max_pending < 1:
             raise ValueError(f"max_pending must be positive, got {max_pending}")
         self.engine = engine
@@ -64,15 +35,10 @@ class EngineBackend:
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.tiers = tiers
         self.default_tier = tiers.by_name(default_tier) if default_tier is not None else tiers[len(tiers) - 1]
-        self.output_lengths = OutputLengthTracker(expected_output_tokens)
-        self.checker = None if latency_model is None else \
-            AttainabilityChecker(latency_model, self.output_lengths, max_prefill_chunk)
+        self.checker = engine.attainability if check_idle else None
         self.max_pending, self.retry_after_s = max_pending, retry_after_s
         self._num_kv_blocks = engine.blocks.num_total_blocks
         self.metrics: ServerMetrics | None = None
-        self._tier_of: dict[str, str] = {}  # request id -> tier, until the request is first scheduled
-        self._probe = _SchedulingProbe(engine.policy, self._tier_of)
-        engine.policy = self._probe  # before the step loop exists: no race with the engine thread
         self.async_engine = AsyncEngine(engine, on_step=self._on_step)
         self._pending = 0
         self._running = False
@@ -95,7 +61,7 @@ class EngineBackend:
         await self.async_engine.stop()
 
     def bind_metrics(self, metrics: ServerMetrics) -> None:
-        self.metrics = self._probe.metrics = metrics
+        self.metrics = metrics
         for tier in self.tiers:  # one engine serves every tier
             metrics.set_instances(tier.name, 1)
 
@@ -125,24 +91,22 @@ class EngineBackend:
                                  self.retry_after_s)
         tier = self.tiers.for_tpot(slo.tpot_ms).name if slo is not None else self.default_tier.name
         self._pending += 1
-        self._tier_of[request_id] = tier
-        pending, num_tokens = True, 0
+        pending = True
         try:
-            async for out in self.async_engine.generate(request_id, prompt_token_ids, params, slo, arrival):
+            async for out in self.async_engine.generate(request_id, prompt_token_ids, params, slo, arrival, tier):
                 if pending:
                     pending = False
                     self._pending -= 1
-                num_tokens += len(out.new_token_ids)
-                if out.finished and out.finish_reason in ("stop", "length"):
-                    self.output_lengths.observe(tier, num_tokens)
+                    if self.metrics is not None and out.first_scheduled_time is not None:
+                        self.metrics.observe_queue_time(tier, max(0.0, out.first_scheduled_time - out.arrival))
                 yield out
         finally:
             if pending:
                 self._pending -= 1
-            self._tier_of.pop(request_id, None)
 
     def _on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
         if self.metrics is None:
             return
+        self.metrics.observe_batch(INSTANCE, stats.num_seqs)
         self.metrics.observe_step(INSTANCE, stats.duration, stats.num_blocks_used / self._num_kv_blocks,
                                   stats.num_running, stats.num_waiting)

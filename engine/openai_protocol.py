@@ -14,7 +14,6 @@ import msgspec
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
@@ -85,8 +84,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: bool = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    logprobs: bool = False  # chosen tokens' only: top_logprobs come back empty
 
 
 def decode_body(raw: bytes, kind: type[msgspec.Struct]):

@@ -28,6 +28,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # emit time of every output token
+    first_scheduled_time: float | None = None  # when it first got a slot in a batch: arrival to here is queueing
     num_computed_tokens: int = 0
     num_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

@@ -98,8 +98,8 @@ def main(argv=None) -> None:
         (AffineStepTime() if emulated else None)
     engine = build_engine(config, latency_model=known)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
-    backend = EngineBackend(engine, name, tiers, default.name, latency_model=known,
-                            max_prefill_chunk=config.max_num_batched_tokens, max_pending=args.max_pending)
+    backend = EngineBackend(engine, name, tiers, default.name, check_idle=known is not None,
+                            max_pending=args.max_pending)
     app = build_app(backend, client_max_size=args.max_body_bytes)
     logging.getLogger(__name__).info("model %s, executor %s, policy %s, tiers %s (default %s)", name,
                                      args.executor, args.policy, args.tiers, default.name)

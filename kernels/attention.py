@@ -28,8 +28,8 @@ MAX_SPLITS = 32
 @triton.jit
 def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence whose first query block is at or before `q_block`."""
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -40,18 +40,20 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
     return lo - 1
 
 
-@triton.jit
+# Batch sizes change every step: specialising on them (Triton does for 1 and multiples of 16) would only add compiles.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    scale_log2, num_seqs, num_tokens,
+    scale_log2, num_seqs, num_tokens, num_splits,
     stride_q_token, stride_q_head,
     stride_k_block, stride_k_slot, stride_k_head,
     stride_v_block, stride_v_slot, stride_v_head,
     stride_block_table,
     stride_out_token, stride_out_head,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -86,13 +88,13 @@ def _paged_attention_kernel(
 
     # Causality caps the keys this block needs at its last query's position.
     kv_end = tl.minimum(seq_len, context_len + first_query + BLOCK_Q)
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         kv_lo = 0
         kv_hi = kv_end
     else:
         # Per-sequence slices, computed here from the sequence's own length, so a graph replay with other lengths
         # still spreads every sequence over all splits.
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         kv_lo = split * per_split
         kv_hi = tl.minimum(kv_lo + per_split, kv_end)
 
@@ -131,7 +133,7 @@ def _paged_attention_kernel(
 
     # A row with no visible key (a padding sequence of length 0) gets zeros, as the reference does.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
     else:
@@ -142,11 +144,10 @@ def _paged_attention_kernel(
         tl.store(partial_lse_ptr + row, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr, num_tokens, stride_out_token, stride_out_head,
+    partial_out_ptr, partial_lse_ptr, out_ptr, num_tokens, num_splits, stride_out_token, stride_out_head,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -155,7 +156,7 @@ def _merge_splits_kernel(
     mask = head_valid[:, None] & (dims[None, :] < HEAD_DIM)
 
     lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
+    for split in range(num_splits):
         lse = tl.load(partial_lse_ptr + (split * num_tokens + token) * NUM_Q_HEADS + heads, mask=head_valid,
                       other=float("-inf"))
         lse_max = tl.maximum(lse_max, lse)
@@ -163,7 +164,7 @@ def _merge_splits_kernel(
 
     weight_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
+    for split in range(num_splits):
         row = (split * num_tokens + token) * NUM_Q_HEADS + heads
         weight = tl.exp2(tl.load(partial_lse_ptr + row, mask=head_valid, other=float("-inf")) - lse_shift)
         part = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
@@ -287,22 +288,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, partial_out, partial_lse,
-        scale * LOG2E, num_seqs, num_tokens,
+        scale * LOG2E, num_seqs, num_tokens, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, SPLIT_KV=num_splits > 1,
         UPCAST_DOT=upcast, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](
-            partial_out, partial_lse, out, num_tokens, out.stride(0), out.stride(1),
+            partial_out, partial_lse, out, num_tokens, num_splits, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=triton.next_power_of_2(num_q_heads),
-            NUM_SPLITS=num_splits, num_warps=4,
+            num_warps=4,
         )
     return out
 

@@ -49,7 +49,11 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int) -> _Plan:
     slots = torch.zeros(len(decode), width, dtype=torch.long, device=dev)
     mask = torch.zeros(len(decode), 1, 1, width, dtype=torch.bool, device=dev)
     for row, i in enumerate(decode):
-        slots[row, :lens[i]] = _slots(block_tables[i], lens[i], block_size)
+        own = _slots(block_tables[i], lens[i], block_size)
+        # Pad with the sequence's own first slot, never another block's: unowned slots may hold NaN (the pool is
+        # torch.empty), and a masked NaN key still turns P·V into NaN.
+        slots[row] = own[0] if lens[i] else 0
+        slots[row, :lens[i]] = own
         mask[row, ..., :lens[i]] = True
     rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=dev)
     _last_plan = _Plan(key, rows, slots, mask, prefills)
@@ -57,7 +61,10 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int) -> _Plan:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                    max_query_len: int | None = None, max_seq_len: int | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """kernels.reference.paged_attention, vectorised; the keyword hints (for the GPU kernels) are ignored."""
     plan = _plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
@@ -83,6 +90,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    slot_mapping = slot_mapping.long()  # index_copy_ takes int64 only; the reference accepts int32 too
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

@@ -48,6 +48,7 @@ class StepStats:
     num_blocks_used: int
     num_running: int
     num_waiting: int
+    num_seqs: int = 0  # sequences in the batch
 
 
 class BatchPolicy(Protocol):

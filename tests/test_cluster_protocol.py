@@ -12,9 +12,11 @@ import msgspec
 import pytest
 
 from cluster import protocol as p
+from cluster.emulation import emulated_latency_model
 from cluster.router import Router
 from cluster.service import RouterService
 from cluster.worker import ResidentRecorder, Worker
+from engine.api_server import NoInstanceError
 from engine.config import EngineConfig
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
@@ -192,7 +194,6 @@ def test_worker_rejects_bad_requests_and_drains(tmp_path):
 
 def test_router_drops_an_engine_that_sends_garbage_and_keeps_serving():
     tiers = TierSet([Tier("std", 50, 1000)])
-    from cluster.emulation import emulated_latency_model
 
     async def scenario():
         async def fake_engine(reader, writer):
@@ -207,8 +208,6 @@ def test_router_drops_an_engine_that_sends_garbage_and_keeps_serving():
         await service.start()
         await service.attach("127.0.0.1", server.sockets[0].getsockname()[1])
         gen = service.generate("x", [1, 2, 3], SamplingParams(max_tokens=4), SLO(1000, 50), 0.0)
-        from engine.api_server import NoInstanceError
-
         with pytest.raises(NoInstanceError):  # its only instance died before a token: nowhere to place it again
             await asyncio.wait_for(anext(gen), 10)
         assert "bad" not in service.router.fleet.instances and not service.links

@@ -33,11 +33,12 @@ def step_time(num_prefill_tokens: int, num_decode_seqs: int, num_kv_tokens: int)
 
 
 def make_server(default_model) -> tuple[ServerThread, EngineBackend]:
-    engine = build_engine(EngineConfig(default_model, executor="emulated", num_kv_blocks=64), step_time=step_time)
+    engine = build_engine(EngineConfig(default_model, executor="emulated", num_kv_blocks=64), step_time=step_time,
+                          latency_model=AFFINE)
     # the emulated step time is exact, so admission can tell what an idle instance attains; tier t4 cannot be
     # (one decode step alone takes 5.02 ms)
     backend = EngineBackend(engine, MODEL, parse_tiers("t4:4:1000,std:50:1000,loose:200:10000"), "loose",
-                            latency_model=AFFINE, max_pending=1, retry_after_s=2.5)
+                            check_idle=True, max_pending=1, retry_after_s=2.5)
     return ServerThread(build_app(backend)), backend
 
 
@@ -54,7 +55,8 @@ def client(served):
 
 
 def test_slo_unattainable_on_an_idle_instance_is_refused(served, client):
-    with pytest.raises(openai.BadRequestError, match=r"cannot be met even on an idle instance \(tpot: .* steady iteration 5\.0 ms"):
+    with pytest.raises(openai.BadRequestError,
+                       match=r"cannot be met even on an idle instance \(tpot: .* steady iteration 5\.0 ms"):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"slo_tier": "t4"})
     with pytest.raises(openai.BadRequestError, match=r"idle instance \(ttft: predicted first token 5\.\d ms"):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4,

@@ -94,6 +94,15 @@ def test_paged_attention_matches_reference(ops, case):
     assert_close(out, reference.paged_attention(*batch.attention_args()), dtype)
 
 
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
+def test_torch_bundle_attention_matches_reference(case):
+    """The vectorised torch attention (the CPU default) on the same batches, NaN-poisoned unowned slots included."""
+    _, q_lens, context_lens, q_heads, kv_heads, head_dim, block_size, dtype, _ = case
+    batch = random_paged_batch(q_lens, context_lens, q_heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed=9)
+    out = get_ops(DEVICE, backend="torch").paged_attention(*batch.attention_args())
+    assert_close(out, reference.paged_attention(*batch.attention_args()), dtype)
+
+
 def test_decode_hint_and_default_splits_match_reference(ops):
     """max_query_len=1 and max_seq_len steer the launch (decode tiles, split count); the result must not move."""
     batch = random_paged_batch([1] * 3, [300, 17, 129], 6, 2, 64, 16, F16, DEVICE, seed=7)
@@ -148,8 +157,10 @@ def test_store_kvcache_writes_exactly_the_mapped_slots(ops, dtype, slot_dtype, b
     v_cache = torch.randn(shape, generator=generator, device=DEVICE).to(dtype)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     reference.store_kvcache(k, v, k_expected, v_expected, slot_mapping)
-    ops.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    for bundle in (ops, get_ops(DEVICE, backend="torch")):
+        k_out, v_out = k_cache.clone(), v_cache.clone()
+        bundle.store_kvcache(k, v, k_out, v_out, slot_mapping)
+        assert torch.equal(k_out, k_expected) and torch.equal(v_out, v_expected), bundle.name
 
 
 def test_store_then_attend_over_chunked_prefill_and_decodes(ops):
@@ -241,11 +252,12 @@ def test_rotary_embedding_matches_reference(ops, dtype, head_dim, position_dtype
     k = qkv[:, q_heads * head_dim:(q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     cache = llama3_cos_sin_cache(head_dim, 10000).to(DEVICE)
     positions = torch.randint(0, 10000, (tokens,), generator=generator, device=DEVICE).to(position_dtype)
-    with poisoned_allocations():
-        q_out, k_out = ops.rotary_embedding(q, k, positions, cache)
     q_ref, k_ref = reference.rotary_embedding(q, k, positions, cache)
-    assert_close(q_out, q_ref, dtype)
-    assert_close(k_out, k_ref, dtype)
+    for bundle in (ops, get_ops(DEVICE, backend="torch")):
+        with poisoned_allocations():
+            q_out, k_out = bundle.rotary_embedding(q, k, positions, cache)
+        assert_close(q_out, q_ref, dtype)
+        assert_close(k_out, k_ref, dtype)
 
 
 @pytest.mark.parametrize("dtype, shape", [(F32, (4, 600)), (BF16, (3, 2, 2 * 1100)), (F16, (1, 64))])
