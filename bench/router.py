@@ -100,10 +100,10 @@ def bench_placement(num_instances: int, tiers_spec: str, decisions: int, seed: i
     counter = _CountingChecker(router.checker)
     router.checker = counter
     figures = {"instances": num_instances, "tiers": len(tiers)}
-    for load in ("saturated", "half"):
-        if load == "half":  # every other resident finishes: the fleet at about half its capacity
-            for view in list(router.fleet.instances.values()):
-                for rid in list(view.residents)[::2]:
+    for load, keep in (("saturated", 1), ("half", 2), ("eighth", 4)):
+        for view in list(router.fleet.instances.values()):  # all but one in `keep` residents finish
+            for i, rid in enumerate(list(view.residents)):
+                if i % keep:
                     router.on_finished(rid, 0, now, completed=False)
         views = router.fleet.instances.values()
         figures[load] = {"residents_per_instance": statistics.mean(len(v.residents) for v in views),
@@ -233,7 +233,7 @@ def main(argv=None) -> None:
 
     place = bench_placement(args.instances, args.tiers, args.decisions)
     print(f"placement decision (Router.submit), {place['instances']} instances in {place['tiers']} tiers (CPU):")
-    for load in ("saturated", "half"):
+    for load in ("saturated", "half", "eighth"):
         f = place[load]
         print(f"  {load}: tiers {f['tier_sizes']} + {f['idle']} idle, {f['residents_per_instance']:.0f} residents "
               f"per instance")

@@ -21,7 +21,7 @@ from scheduler.instance_state import InstanceState, RequestSnapshot
 from scheduler.latency_model import LatencyModel
 from scheduler.output_length import OutputLengthTracker
 from scheduler.slo import SLO
-from scheduler.types import BatchPolicy, KvState, StepStats, is_decode
+from scheduler.types import BatchPolicy, KvState, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,8 @@ class Engine:
         new = np.fromiter((n for _, n in items), np.int64, len(reqs))
         meta = self.blocks.build_batch(np.fromiter((r.seq_id for r in reqs), np.int64, len(reqs)), computed, new)
         sampled = [reqs[i] for i in meta.sample_rows.tolist()]
-        num_decode = sum(1 for r, n in items if is_decode(r, n))
+        num_decode = sum(1 for r, n in items if n == 1 and r.num_output_tokens and r.num_computed_tokens + 1 ==
+                         r.num_tokens)
         num_prefill = int(new.sum()) - num_decode
         num_kv = int(meta.seq_lens.sum())
         batch = StepBatch(meta, [r.params for r in sampled], [r.generator for r in sampled],
@@ -231,8 +232,7 @@ class Engine:
             self._enqueue(req)
 
     def _append_token(self, req: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
-        req.output_token_ids.append(token)
-        req.token_times.append(now)
+        req.append_output(token, now)
         if logprob is not None and req.params.logprobs:
             req.output_logprobs.append(logprob)
         self.blocks.append_token(req.seq_id, token)

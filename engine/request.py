@@ -36,18 +36,19 @@ class Request:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     generator: torch.Generator | None = None
+    # counters read by the batch policy every step: plain attributes, kept by `append_output`
+    num_prompt_tokens: int = field(init=False)
+    num_output_tokens: int = field(init=False, default=0)
+    num_tokens: int = field(init=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self):
+        self.num_prompt_tokens = self.num_tokens = len(self.prompt_token_ids)
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def append_output(self, token: int, now: float) -> None:
+        self.output_token_ids.append(token)
+        self.token_times.append(now)
+        self.num_output_tokens += 1
+        self.num_tokens += 1
 
     @property
     def max_tokens(self) -> int:
