@@ -173,6 +173,8 @@ def attention_rows(setup: Setup, impls: dict[str, Callable], decodes: list[tuple
                                    setup.device, poison_unused=False)
         hints = dict(max_query_len=max_query_len, max_seq_len=max(q + c for q, c in zip(q_lens, contexts)))
         for impl, attend in impls.items():
+            if kind == "prefill" and impl.startswith("cuda"):
+                continue  # the CUDA C++ twin covers decode only; its bundle sends prefill to Triton
             seconds, note = timed(setup, lambda: attend(*batch.attention_args(), **hints))
             rows.append(Row(f"attention-{kind}", impl, shape, seconds, attention_bytes(batch), attention_flops(batch),
                             note))

@@ -11,7 +11,7 @@ since, so every instance the decision scans rebuilds its snapshot (the live case
 
 Throughput: one emulated engine process (`--time-scale`), `--requests` requests of 16 prompt tokens and
 `--max-tokens` outputs at `--concurrency`, first through a bare protocol client, then through RouterService on the
-same engine. Per-token delivery latency: time the consumer holds a token minus the engine's emit time (one
+same engine (its cold start is printed too). Per-token delivery latency: time the consumer holds a token minus the engine's emit time (one
 monotonic clock on one machine). Figures are medians unless marked, measured on this machine's CPU.
 """
 from __future__ import annotations
@@ -208,7 +208,8 @@ async def bench_throughput(requests: int, concurrency: int, max_tokens: int, tim
             await service.stop()
         finally:
             await launcher.close()
-    figures = {"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens, "time_scale": time_scale}
+    figures = {"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens, "time_scale": time_scale,
+               "cold_start_s": launcher.cold_starts[0]}
     for name, rps, lags in (("direct", direct_rps, direct_lags), ("router", routed_rps, routed_lags)):
         lags.sort()
         figures[name] = {"requests_per_s": rps, "tokens_per_s": rps * max_tokens,
@@ -250,7 +251,8 @@ def main(argv=None) -> None:
         f = thr[name]
         print(f"  {name:7s} {f['requests_per_s']:7.1f} req/s  {f['tokens_per_s']:8.0f} tok/s  token lag median "
               f"{f['token_lag_median_ms']:.2f} ms  p99 {f['token_lag_p99_ms']:.2f} ms")
-    print(f"  added by the router: {thr['added_token_lag_median_ms']:.2f} ms per token (median)")
+    print(f"  added by the router: {thr['added_token_lag_median_ms']:.2f} ms per token (median); engine cold start "
+          f"(spawn to READY, config-only model folder) {thr['cold_start_s']:.2f} s")
     sys.stdout.flush()
 
 

@@ -58,6 +58,10 @@ class EngineReplay:
     token_times: list[list[float] | None]
     num_steps: int
     wall_s: float
+    # host time per step: measured step time - the model's prediction ~ step_overhead_s + per_seq * sequences,
+    # least squares (non-negative) over the last steps the engine kept
+    step_overhead_s: float
+    step_overhead_per_seq_s: float
 
 
 def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolicy, model_folder: str,
@@ -116,7 +120,23 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
                 virtual.now = arrivals[i]
             else:
                 time.sleep(max(0.0, arrivals[i] - now()))
-    return EngineReplay(token_times, steps, time.monotonic() - t0)
+    return EngineReplay(token_times, steps, time.monotonic() - t0, *host_overhead(engine.step_stats, model))
+
+
+def host_overhead(stats, model: LatencyModel) -> tuple[float, float]:
+    """(constant, per sequence) fit of what the engine's steps took beyond the model's prediction."""
+    if len(stats) < 2:
+        return 0.0, 0.0
+    extra = np.array([s.duration - model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens)
+                      for s in stats])
+    seqs = np.array([s.num_seqs for s in stats], dtype=float)
+    a = np.vstack([np.ones_like(seqs), seqs]).T
+    const, per_seq = np.linalg.lstsq(a, extra, rcond=None)[0]
+    if per_seq < 0:
+        return max(float(extra.mean()), 0.0), 0.0
+    if const < 0:
+        return 0.0, float(max(np.dot(seqs, extra) / np.dot(seqs, seqs), 0.0))
+    return float(const), float(per_seq)
 
 
 def attained(workload: Workload, token_times: list[list[float] | None]) -> np.ndarray:

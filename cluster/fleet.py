@@ -60,12 +60,9 @@ class InstanceView:
     num_blocks_used: int = 0  # as last reported
     state: InstanceState | None = None  # attainability snapshot; None when stale
 
-    @property
-    def serving(self) -> bool:
-        return self.status is InstanceStatus.READY
-
     def snapshot(self, tpot_ms: float) -> InstanceState:
-        """The attainability test's view, held to `tpot_ms`; rebuilt only after the residents changed."""
+        """The attainability test's view, held to `tpot_ms`; the router drops it whenever residents, their progress
+        or the tier label change, so a cached one is never stale."""
         state = self.state
         if state is None or state.tpot_ms != tpot_ms:
             state = self.state = InstanceState(tuple(self.residents.values()),

@@ -19,7 +19,6 @@ import numpy as np
 
 from cluster.workload import Workload
 from scheduler.latency_model import LatencyModel
-from scheduler.tiers import TierSet
 
 ATTAINMENT_TARGET = 0.9
 
@@ -111,9 +110,10 @@ def search_goodput(attainment_at: Callable[[float, int], float], seeds: Sequence
                    rel_tol: float = 0.03, target: float = ATTAINMENT_TARGET, max_probes: int = 16) -> GoodputSearch:
     """Bisection for the highest rate whose attainment, averaged over `seeds`, is >= `target`.
 
-    `attainment_at(rate, seed)` runs one simulation. [low, high] is widened (halving low, doubling high) until low
-    passes and high fails; then bisected until high / low - 1 <= rel_tol. Attainment is treated as falling with
-    the rate (it is, up to noise: several seeds per probe keep the noise down)."""
+    `attainment_at(rate, seed)` runs one simulation; it may answer NaN for a run it gave up on (certain to fail):
+    the probe then fails. [low, high] is widened (halving low, doubling high) until low passes and high fails;
+    then bisected until high / low - 1 <= rel_tol. Attainment is treated as falling with the rate (it is, up to
+    noise: several seeds per probe keep the noise down)."""
     if not (0 < low < high) or not seeds:
         raise ValueError("need 0 < low < high and at least one seed")
     probes: list[Probe] = []

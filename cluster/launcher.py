@@ -62,8 +62,9 @@ class LocalLauncher:
         spawned = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             self.python, "-m", "cluster.worker", "--host", self.host, "--port", "0", "--instance-id", instance_id,
-            "--parent-pid", str(os.getpid()), *self.worker_args, cwd=str(REPO_ROOT), env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE)
+            "--parent-pid", str(os.getpid()), *self.worker_args,
+            cwd=str(REPO_ROOT), env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            start_new_session=True)  # a terminal's Ctrl-C reaches the router alone, which drains the workers
         self.processes[instance_id] = _Process(proc, gpu, spawned)
         try:
             port = await asyncio.wait_for(self._read_port(proc), self.ready_timeout_s)

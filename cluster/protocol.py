@@ -71,6 +71,7 @@ class Submit(_Message, tag=_tag("submit")):
     sampling: SamplingSpec
     slo: SLOSpec | None
     queued_s: float  # time since the request's arrival at the router; the worker dates its arrival back by it
+    tier: str = ""  # the tier it was admitted under: the engine keeps that tier's output-length mean
 
 
 class Abort(_Message, tag=_tag("abort")):
@@ -126,6 +127,7 @@ class StepReport(_Message, tag=_tag("step")):
     num_total_blocks: int
     num_running: int
     num_waiting: int
+    num_seqs: int  # sequences in the batch
     residents: list[Resident]
 
 

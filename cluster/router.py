@@ -26,7 +26,13 @@ Interface (the caller tells the router what happened; the router answers what to
     withdraw(request_id) -> bool             a queued request's client left
     retry_queued(now) -> list[Placement]     try the queues again (call after finishes and when instances join)
   Reading
-    fleet (cluster.fleet.Fleet), queue_length(tier), waiting_tiers(), events (recent decisions), counts
+    fleet (cluster.fleet.Fleet: InstanceView per instance with status, tier label, residents, kv_tokens, load),
+    queue_length(tier), waiting_tiers(), events (recent decisions), counts (totals per event kind)
+  A request is a cluster.fleet.RoutedRequest (id, tier index and name, SLO, arrival, prompt length, max_tokens);
+  tiers are indices into the TierSet, tightest first. An InstanceReport carries the end of the reported step (on
+  the caller's clock), the KV blocks in use and each resident's (request_id, num_computed_tokens,
+  num_output_tokens). Processes are the autoscaler's: `autoscaler.plan(fleet, waiting_tiers(), now)`; the router
+  asks it only for the limits of its label moves.
 
 Submit assumes the request passed admission (`admissible`: its SLO can be met on an idle instance at all).
 

@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 from cluster import protocol as p
 from cluster.engine_link import EngineLink
-from cluster.fleet import InstanceStatus, RoutedRequest
+from cluster.fleet import InstanceStatus, InstanceView, RoutedRequest
 from cluster.launcher import LocalLauncher
 from cluster.router import Decision, InstanceReport, Outcome, Placement, Router
 from engine.api_server import NoInstanceError, QueueFullError
@@ -103,7 +103,7 @@ class RouterService:
             self._tick_task.cancel()
         now = self.clock()
         for instance_id in list(self.links):
-            self._spawn(self._stop_instance(instance_id, now))
+            self._stop_instance(instance_id, now)
         pending = [t for t in self._tasks if not t.done()]
         if pending:
             await asyncio.wait(pending, timeout=self.drain_timeout_s + 10)
@@ -150,7 +150,8 @@ class RouterService:
                                params.max_tokens)
         sampling = p.SamplingSpec(params.temperature, params.top_k, params.top_p, params.seed, params.max_tokens,
                                   list(params.stop), list(params.stop_token_ids), params.ignore_eos, params.logprobs)
-        submit = p.Submit(request_id, list(prompt_token_ids), sampling, p.SLOSpec(slo.ttft_ms, slo.tpot_ms), 0.0)
+        submit = p.Submit(request_id, list(prompt_token_ids), sampling, p.SLOSpec(slo.ttft_ms, slo.tpot_ms), 0.0,
+                          tier.name)
         stream = _Stream(routed, submit, params.logprobs, submit.prompt_token_ids)
         self.streams[request_id] = stream
         try:
@@ -220,8 +221,10 @@ class RouterService:
         view = self.router.fleet.instances.get(link.instance_id)
         if view is None or view.status is InstanceStatus.DEAD:
             return
-        if link.drained and not view.residents:
-            return  # a clean drain: _stop_instance finishes the removal
+        if link.drained and not view.residents:  # a clean drain
+            if view.status is not InstanceStatus.DRAINING:  # not asked for here (else _stop_instance removes it)
+                self.router.remove_instance(link.instance_id, self.clock())
+            return
         self._instance_failed(link.instance_id, reason)
 
     def _on_message(self, link: EngineLink, msg) -> None:
@@ -245,7 +248,7 @@ class RouterService:
             if self.metrics is not None:
                 self.metrics.observe_step(instance_id, msg.duration, msg.num_blocks_used / max(1, msg.num_total_blocks),
                                           msg.num_running, msg.num_waiting)
-                self.metrics.observe_batch(instance_id, msg.num_running)
+                self.metrics.observe_batch(instance_id, msg.num_seqs)
         elif isinstance(msg, p.Finish):
             s = streams.get(msg.request_id)
             if s is None or s.routed.instance_id != instance_id:
@@ -332,7 +335,7 @@ class RouterService:
                 self.router.add_instance(instance_id, now)
                 self._spawn(self._launch(instance_id, now))
         for instance_id in plan.to_stop:
-            self._spawn(self._stop_instance(instance_id, now))
+            self._stop_instance(instance_id, now)
 
     async def _launch(self, instance_id: str, now: float) -> None:
         try:
@@ -361,15 +364,20 @@ class RouterService:
             return
         self._ready(link)
 
-    async def _stop_instance(self, instance_id: str, now: float) -> None:
+    def _stop_instance(self, instance_id: str, now: float) -> None:
         """Drain (residents finish, nothing new), then stop the process."""
         view = self.router.fleet.instances.get(instance_id)
-        if view is None or view.status is InstanceStatus.DEAD:
-            return
+        if view is None or view.status is not InstanceStatus.READY:
+            return  # gone, or already on its way out
         self.router.start_draining(instance_id, now)
         link = self.links.get(instance_id)
         if link is not None:
             link.send(p.Drain())
+        self._spawn(self._finish_stop(instance_id, view))
+
+    async def _finish_stop(self, instance_id: str, view: InstanceView) -> None:
+        link = self.links.get(instance_id)
+        if link is not None:
             task = self._link_tasks.get(instance_id)
             if task is not None:
                 done, _ = await asyncio.wait({task}, timeout=self.drain_timeout_s)

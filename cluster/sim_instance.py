@@ -55,6 +55,7 @@ class SimRequest:
     host_tier: str = ""  # the tier of that instance when placed (differs from `tier` when promoted)
     placed_at: float = math.nan
     token_times: list[float] | None = None  # every emit time, kept only when asked (tests, calibration)
+    tally: "MissTally | None" = None  # counted once, when a first token of it is late
     deadline0: float = field(init=False)  # first-token deadline
     tpot_s: float = field(init=False)
 
@@ -73,6 +74,8 @@ class SimRequest:
         n = self.num_output_tokens
         late = t - (self.deadline0 + n * self.tpot_s)
         if late > self.worst_lateness:
+            if late > 0 >= self.worst_lateness and self.tally is not None:
+                self.tally.missed += 1
             self.worst_lateness = late
         if n == 0:
             self.first_token_time = t
@@ -85,6 +88,12 @@ class SimRequest:
             self.token_times.append(t)
 
 
+@dataclass(slots=True)
+class MissTally:
+    """Requests (of a measured window) that have missed their SLO so far: a run can stop once too many have."""
+    missed: int = 0
+
+
 IDLE, STEP, RUN = 0, 1, 2
 
 
@@ -95,7 +104,7 @@ class SimInstance:
     def __init__(self, index: int, policy: BatchPolicy, model: LatencyModel, num_blocks: int, block_size: int,
                  schedule_event: Callable[["SimInstance", float], None],
                  on_finish: Callable[["SimInstance", list[SimRequest], float], None], fast_forward: bool = True,
-                 instance_id: str = ""):
+                 instance_id: str = "", step_overhead_s: float = 0.0, step_overhead_per_seq_s: float = 0.0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.index, self.policy, self.model = index, policy, model
@@ -104,6 +113,8 @@ class SimInstance:
         self.free_blocks = num_blocks
         self.schedule_event, self.on_finish = schedule_event, on_finish
         self.fast_forward = fast_forward
+        # host time per step beyond the model's: a constant and a part per sequence in the batch (see SimConfig)
+        self.step_overhead_s, self.step_overhead_per_seq_s = step_overhead_s, step_overhead_per_seq_s
         self.waiting: list[SimRequest] = []  # arrival order, as the engine keeps it
         self.running: list[SimRequest] = []  # admission order
         self.state = IDLE
@@ -203,7 +214,8 @@ class SimInstance:
                 and not plan.preempted):
             self._start_run(now, num_kv)
             return
-        duration = self.model.predict(num_new - num_decode, num_decode, num_kv)
+        duration = self.model.predict(num_new - num_decode, num_decode, num_kv) + \
+            (self.step_overhead_s + self.step_overhead_per_seq_s * len(items))
         self.state = STEP
         self._items = items
         self._step_start = now
@@ -301,10 +313,11 @@ class SimInstance:
         count = min(self._run_len - base, RUN_CHUNK_STEPS)
         predict = self.model.predict
         b = len(self.running)
+        overhead = self.step_overhead_s + self.step_overhead_per_seq_s * b
         kv = self._run_kv0 + b * base
         ends = []
         for i in range(base, base + count):
-            t += predict(0, b, kv)  # the first step's too: the same call _start_step made
+            t += predict(0, b, kv) + overhead  # the first step's too: the same sum _start_step would make
             ends.append(t)
             kv += b
         self._ends = ends
@@ -351,6 +364,8 @@ class SimInstance:
             n = r.num_output_tokens
             late = worst[r.tpot_s] - (r.deadline0 + n * r.tpot_s)
             if late > r.worst_lateness:
+                if late > 0 >= r.worst_lateness and r.tally is not None:
+                    r.tally.missed += 1
                 r.worst_lateness = late
             g = ends[a] - r.last_token_time
             if gap > g:

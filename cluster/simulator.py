@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -28,7 +28,7 @@ from cluster.autoscaler import Autoscaler, ScalingLimits
 from cluster.emulation import kv_blocks_for_gpu
 from cluster.fleet import InstanceStatus, RoutedRequest
 from cluster.router import InstanceReport, Outcome, Router
-from cluster.sim_instance import IDLE, SimInstance, SimRequest
+from cluster.sim_instance import IDLE, MissTally, SimInstance, SimRequest
 from cluster.workload import REFUSED, Workload
 from scheduler.latency_model import LatencyModel
 from scheduler.types import BatchPolicy
@@ -54,6 +54,10 @@ class SimConfig:
     queue_limit: int = 256
     tick_s: float = 0.05
     fast_forward: bool = True
+    # host time every step adds to the model's, a constant and a part per sequence in the batch: zero for the GPU
+    # system the model describes; the measured figures of an emulated engine on a CPU (calibration)
+    step_overhead_s: float = 0.0
+    step_overhead_per_seq_s: float = 0.0
     record_token_times: bool = False
     reveal_output_len: bool = False  # max_tokens = the true output length (as the emulated engine needs)
     max_tokens_cap: int = 4096  # otherwise every request's max_tokens
@@ -65,8 +69,9 @@ class SimConfig:
             raise ValueError(f"engine_policy must be one of {', '.join(ENGINE_POLICIES)}, got {self.engine_policy!r}")
         if self.num_instances < 0 or (self.num_instances == 0 and self.autoscale is None):
             raise ValueError(f"a fixed fleet needs at least one instance, got {self.num_instances}")
-        if not (self.cold_start_s >= 0 and self.tick_s > 0):
-            raise ValueError("cold_start_s must be non-negative and tick_s positive")
+        if not (self.cold_start_s >= 0 and self.tick_s > 0 and self.step_overhead_s >= 0
+                and self.step_overhead_per_seq_s >= 0):
+            raise ValueError("cold_start_s and step_overhead_s must be non-negative and tick_s positive")
         if self.max_prefill_chunk > self.max_num_batched_tokens:
             raise ValueError("max_prefill_chunk cannot exceed max_num_batched_tokens")
 
@@ -112,6 +117,7 @@ class SimResult:
     num_steps: int
     num_policy_calls: int
     wall_s: float
+    aborted: bool = False  # stopped by give_up_below: the window's attainment is below it (unfinished = missed)
     token_times: list[list[float]] | None = None
 
     def attainment(self, window: tuple[float, float] | None = None, view: str = "cumulative") -> float:
@@ -145,14 +151,14 @@ class SimResult:
 
 class Simulator:
     def __init__(self, config: SimConfig, tiers, model: LatencyModel,
-                 policy_factory: Callable[[], BatchPolicy] | None = None, router: Router | None = None,
-                 sample_s: float = 1.0):
-        """`policy_factory` (one batch policy per instance) and `router` default to what `config` names; pass
-        your own to simulate a variant (the ablations do)."""
+                 policy_factory: Callable[[], BatchPolicy] | None = None, router_class: type[Router] = Router,
+                 router_kwargs: dict | None = None, sample_s: float = 1.0):
+        """`policy_factory` (one batch policy per instance) defaults to what `config` names; `router_class` and
+        `router_kwargs` build a variant of the router (the ablations do)."""
         self.config, self.tiers, self.model = config, tiers, model
         default_slo = tiers[len(tiers) - 1].slo  # as cluster/serve.py: requests without an SLO get the loosest
         self.policy_factory = policy_factory or (lambda: make_batch_policy(config, model, default_slo))
-        self._router = router
+        self.router_class, self.router_kwargs = router_class, router_kwargs or {}
         self.sample_s = sample_s
         self.instances: dict[str, SimInstance] = {}
         self.router: Router | None = None
@@ -160,19 +166,19 @@ class Simulator:
     # ---- setup ---------------------------------------------------------------------------------------------
     def _build_router(self, expected_output: float) -> Router:
         cfg = self.config
-        if self._router is not None:
-            return self._router
         autoscaler = Autoscaler(cfg.autoscale) if cfg.autoscale is not None else None
-        return Router(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
-                      queue_limit=cfg.queue_limit, max_prefill_chunk=cfg.max_prefill_chunk,
-                      expected_output_tokens=expected_output, seed=cfg.seed)
+        return self.router_class(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
+                                 queue_limit=cfg.queue_limit, max_prefill_chunk=cfg.max_prefill_chunk,
+                                 expected_output_tokens=expected_output, seed=cfg.seed, **self.router_kwargs)
 
     def _new_instance(self, now: float) -> str:
         instance_id = f"i{self._next_instance}"
         self._next_instance += 1
         inst = SimInstance(len(self._by_index), self.policy_factory(), self.model, self.config.kv_blocks,
                            self.config.block_size, self._push_step_event, self._on_finish,
-                           fast_forward=self.config.fast_forward, instance_id=instance_id)
+                           fast_forward=self.config.fast_forward, instance_id=instance_id,
+                           step_overhead_s=self.config.step_overhead_s,
+                           step_overhead_per_seq_s=self.config.step_overhead_per_seq_s)
         self._by_index.append(inst)
         self.instances[instance_id] = inst
         self._reported.append(-1)
@@ -181,8 +187,15 @@ class Simulator:
         return instance_id
 
     # ---- the event loop --------------------------------------------------------------------------------------
-    def run(self, workload: Workload, until: float | None = None) -> SimResult:
-        """Simulates `workload` until every request has finished (or `until`, when given)."""
+    def run(self, workload: Workload, until: float | None = None, window: tuple[float, float] | None = None,
+            give_up_below: float | None = None) -> SimResult:
+        """Simulates `workload` until every request has finished (or `until`, when given).
+
+        With `give_up_below`, the run stops (`aborted`) as soon as so many requests arriving in `window` have missed
+        their SLO (a token late, refused, rejected) that their attainment can no longer reach it: a goodput search
+        only needs to know that, and an overloaded fleet is the slowest thing to simulate."""
+        if give_up_below is not None and window is None:
+            raise ValueError("give_up_below needs the window it is measured over")
         wall0 = time.perf_counter()
         cfg = self.config
         self._heap: list = []
@@ -197,6 +210,14 @@ class Simulator:
         self._rejected: set[str] = set()
         self._unfinished = 0
         self._pending_ready = 0
+        self._tally = MissTally()
+        if window is not None:
+            in_window = (workload.arrivals >= window[0]) & (workload.arrivals < window[1])
+            self._tally.missed = int(np.count_nonzero(in_window & (workload.tier_index == REFUSED)))
+            allowed = math.inf if give_up_below is None else (1.0 - give_up_below) * int(in_window.sum())
+        else:
+            allowed = math.inf
+        aborted = False
         expected = cfg.expected_output_tokens or (float(workload.output_lens.mean()) if len(workload) else 128.0)
         self.router = router = self._build_router(expected)
         capacity = cfg.kv_blocks * cfg.block_size
@@ -243,6 +264,8 @@ class Simulator:
                 sreq = SimRequest(f"r{i - 1}", t, tier.slo, tier.name, prompts[i - 1], max_tokens, out)
                 if cfg.record_token_times:
                     sreq.token_times = []
+                if window is not None and window[0] <= t < window[1]:
+                    sreq.tally = self._tally
                 requests[i - 1] = sreq
                 self._requests_by_id[sreq.request_id] = sreq
                 self._arrive(sreq, k, t)
@@ -253,6 +276,9 @@ class Simulator:
                 if version == inst.version:
                     inst.on_event(t)
             elif kind == TICK:
+                if self._tally.missed > allowed:
+                    aborted = True
+                    break
                 self._tick(t)
                 if i < n or (self._unfinished and not self._stalled()):
                     self._push(t + cfg.tick_s, TICK, None)
@@ -261,8 +287,7 @@ class Simulator:
                 if payload in self.instances:
                     self._sync_reports(t)
                     self._dispatch(self.router.on_ready(payload, capacity, t))
-        self._accrue(self._now)
-        return self._result(workload, requests, samples, time.perf_counter() - wall0)
+        return self._result(workload, requests, samples, time.perf_counter() - wall0, aborted)
 
     def _stalled(self) -> bool:
         """Nothing can move any more: no instance steps, none is starting, and the queues found no place (a
@@ -295,6 +320,8 @@ class Simulator:
             self._unfinished += 1
         else:
             self._rejected.add(sreq.request_id)
+            if sreq.tally is not None:
+                sreq.tally.missed += 1
 
     def _place(self, sreq: SimRequest, instance_id: str, now: float) -> None:
         view = self.router.fleet.instances[instance_id]
@@ -366,7 +393,8 @@ class Simulator:
         return (t, tuple(len(m) for m in fleet.members), len(fleet.idle), len(self._live_since))
 
     # ---- results ---------------------------------------------------------------------------------------------
-    def _result(self, workload: Workload, requests: list[SimRequest | None], samples, wall_s: float) -> SimResult:
+    def _result(self, workload: Workload, requests: list[SimRequest | None], samples, wall_s: float,
+                aborted: bool) -> SimResult:
         n = len(workload)
         served = np.zeros(n, dtype=bool)
         attained = np.zeros(n, dtype=bool)
@@ -406,7 +434,7 @@ class Simulator:
             counts={**dict(self.router.counts), "rejected": len(self._rejected),
                     "refused_at_admission": workload.num_refused},
             num_steps=sum(i.num_steps for i in insts), num_policy_calls=sum(i.num_policy_calls for i in insts),
-            wall_s=wall_s,
+            wall_s=wall_s, aborted=aborted,
             token_times=[(r.token_times if r is not None else None) for r in requests]
             if self.config.record_token_times else None)
 

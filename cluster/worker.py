@@ -2,7 +2,7 @@
 
     python -m cluster.worker --port 0 --executor emulated [--time-scale 0.5] [--num-kv-blocks N] ...
 
-Prints `READY <port>` on stdout once it listens. Every connection (normally one: the router's) gets Hello first,
+Prints `READY <port>` on stdout once it listens; SIGTERM or SIGINT drains it. Every connection (normally one: the router's) gets Hello first,
 then for its own requests Tokens / Finish / Error frames, and for every engine step a StepReport (batch shape,
 iteration time, KV use, all residents); a Heartbeat every `--heartbeat-s`. Drain: new submits are answered with a
 `draining` error, residents finish, every connection gets Drained, and the process exits.
@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,9 +28,6 @@ from engine.config import EngineConfig
 from engine.engine import Engine, InvalidRequestError, RequestOutput
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
-from scheduler.edf import EDFPolicy
-from scheduler.policy import FCFSPolicy
-from scheduler.polyserve import PolyServePolicy
 from scheduler.profile_table import ProfileTable
 from scheduler.slo import SLO
 from scheduler.types import BatchPolicy, StepStats
@@ -146,10 +144,14 @@ class Worker:
             if msg.request_id in conn.requests:  # only a connection's own requests
                 self.async_engine.abort(msg.request_id)
         elif isinstance(msg, p.Drain):
-            self.draining = True
-            self._maybe_drained()
+            self.drain()
         else:
             raise p.ProtocolError(f"a worker does not accept {type(msg).__name__} frames")
+
+    def drain(self) -> None:
+        """Accept nothing new, finish the residents, say Drained on every connection, stop."""
+        self.draining = True
+        self._maybe_drained()
 
     def _close(self, conn: _Connection) -> None:
         if conn not in self.connections:
@@ -169,7 +171,7 @@ class Worker:
                                     list(s.stop_token_ids), s.ignore_eos, s.logprobs)
             slo = SLO(msg.slo.ttft_ms, msg.slo.tpot_ms) if msg.slo is not None else None
             arrival = self.clock() - max(0.0, msg.queued_s)
-            async for out in self.async_engine.generate(rid, msg.prompt_token_ids, params, slo, arrival):
+            async for out in self.async_engine.generate(rid, msg.prompt_token_ids, params, slo, arrival, msg.tier):
                 n = len(out.new_token_ids)
                 if n or out.new_text:
                     logprobs = out.logprobs[seen:seen + n] if out.logprobs is not None else None
@@ -213,7 +215,7 @@ class Worker:
         e = self.engine
         frame = p.encode_frame(p.StepReport(
             stats.start, stats.duration, stats.num_prefill_tokens, stats.num_decode_seqs, stats.num_kv_tokens,
-            stats.num_blocks_used, e.executor.num_kv_blocks, stats.num_running, stats.num_waiting,
+            stats.num_blocks_used, e.executor.num_kv_blocks, stats.num_running, stats.num_waiting, stats.num_seqs,
             self.recorder.residents))
         for conn in self.connections:
             conn.frames.append(frame)
@@ -256,32 +258,26 @@ class Worker:
 
 
 def build_worker_engine(args: argparse.Namespace) -> tuple[Engine, ResidentRecorder]:
-    step_time = None
+    """The engine and its batch policy, wrapped to record residents. Iteration times: --latency-profile, else (an
+    emulated engine) the roofline of Llama-3.1-8B on an H200, times --time-scale; a model engine without a profile
+    starts from the engine's own roofline for its device. The engine refines it online from its measured steps."""
+    latency_model = None
     if args.latency_profile:
         latency_model = ScaledLatencyModel(ProfileTable.load(args.latency_profile), args.time_scale)
-    else:
+    elif args.executor == "emulated":
         latency_model = emulated_latency_model(args.time_scale)
     num_kv_blocks = args.num_kv_blocks
-    if args.executor == "emulated":
-        step_time = latency_model.predict
-        if num_kv_blocks is None:
-            num_kv_blocks = kv_blocks_for_gpu(args.block_size)
+    if args.executor == "emulated" and num_kv_blocks is None:
+        num_kv_blocks = kv_blocks_for_gpu(args.block_size)
     config = EngineConfig(model=args.model, device=args.device, executor=args.executor, block_size=args.block_size,
                           num_kv_blocks=num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
-    default_slo = SLO(args.default_ttft_ms, args.default_tpot_ms)
-    if args.batch_policy == "polyserve":
-        if args.executor == "model":
-            from scheduler.online_fit import OnlineLatencyModel
-
-            latency_model = OnlineLatencyModel(latency_model)
-        policy = PolyServePolicy(latency_model, default_slo, args.max_num_seqs, args.max_num_batched_tokens)
-    elif args.batch_policy == "edf":
-        policy = EDFPolicy(default_slo, args.max_num_seqs, args.max_num_batched_tokens)
-    else:
-        policy = FCFSPolicy(args.max_num_batched_tokens, args.max_num_seqs)
-    recorder = ResidentRecorder(policy)
-    return build_engine(config, recorder, step_time), recorder
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          policy=args.batch_policy, default_ttft_ms=args.default_ttft_ms,
+                          default_tpot_ms=args.default_tpot_ms)
+    engine = build_engine(config, latency_model=latency_model)  # emulated: sleeps the model's prediction
+    recorder = ResidentRecorder(engine.policy)
+    engine.policy = recorder  # before the step loop exists: no race with the engine thread
+    return engine, recorder
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -315,6 +311,8 @@ async def _main(args: argparse.Namespace) -> None:
     worker = Worker(engine, recorder, instance_id=args.instance_id, executor=args.executor,
                     heartbeat_s=args.heartbeat_s, parent_pid=args.parent_pid)
     port = await worker.start(args.host, args.port)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, worker.drain)
     print(f"READY {port}", flush=True)
     await worker.done.wait()
 

@@ -18,7 +18,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
-    kernels: str = "auto"  # auto (reference on the CPU, Triton on CUDA) | reference | triton | cuda
+    kernels: str = "auto"  # auto (vectorised torch on the CPU, Triton on CUDA) | reference | torch | triton | cuda
     enforce_eager: bool = False  # no CUDA graphs
     policy: str = "fcfs"  # fcfs (static budget, Sarathi-style) | edf | polyserve (multi-SLO, DESIGN.md §2)
     max_prefill_chunk: int | None = None  # polyserve's cap on one step's prefill tokens (default: the token budget)
@@ -38,5 +38,5 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.policy not in ("fcfs", "edf", "polyserve"):
             raise ValueError(f"policy must be fcfs, edf or polyserve, got {self.policy!r}")
-        if self.kernels not in ("auto", "reference", "triton", "cuda"):
-            raise ValueError(f"kernels must be auto, reference, triton or cuda, got {self.kernels!r}")
+        if self.kernels not in ("auto", "reference", "torch", "triton", "cuda"):
+            raise ValueError(f"kernels must be auto, reference, torch, triton or cuda, got {self.kernels!r}")

@@ -14,6 +14,7 @@ class AttentionContext:
     query_start_loc: torch.Tensor  # int32 [B+1]
     max_seq_len: int
     max_query_len: int
+    num_splits: int | None = None  # KV splits of decode attention; fixed per captured CUDA graph, else chosen
 
 
 _context: AttentionContext | None = None

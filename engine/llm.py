@@ -40,7 +40,8 @@ def build_engine(config: EngineConfig, policy: BatchPolicy | None = None,
         from engine.model_runner import ModelRunner  # torch model code only where a model runs
 
         executor = ModelRunner(model_cfg, config.device, config.dtype, config.block_size, config.num_kv_blocks,
-                               config.kv_cache_memory, config.gpu_memory_utilization, config.kernels)
+                               config.kv_cache_memory, config.gpu_memory_utilization, config.kernels,
+                               config.max_num_seqs, config.max_model_len, config.enforce_eager)
         dtype_bytes = executor.kv_cache.element_size()
     max_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
     eos = model_cfg.eos_token_ids

@@ -14,7 +14,8 @@ from kernels import get_ops
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, device: str, dtype: str | None, block_size: int,
-                 num_kv_blocks: int | None, kv_cache_memory: int, gpu_memory_utilization: float, kernels: str):
+                 num_kv_blocks: int | None, kv_cache_memory: int, gpu_memory_utilization: float, kernels: str,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False):
         self.cfg, self.device, self.block_size = model_cfg, torch.device(device), block_size
         if dtype is not None:
             self.dtype = DTYPES[dtype]
@@ -33,6 +34,13 @@ class ModelRunner:
                                     model_cfg.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.graphs = None
+        if self.device.type == "cuda" and not enforce_eager and ops.name in ("triton", "cuda"):  # no host syncs
+            from engine.cuda_graphs import DecodeGraphs
+
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len or model_cfg.max_position_embeddings,
+                                           block_size, self.device)
 
     def _blocks_that_fit(self, kv_cache_memory: int, gpu_memory_utilization: float) -> int:
         per_block = self.cfg.kv_bytes_per_token(self.dtype) * self.block_size
@@ -45,6 +53,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> tuple[list[int], list[float] | None]:
         meta, dev = batch.meta, self.device
+        if self.graphs is not None and self.graphs.fits(len(meta.seq_lens), len(meta.input_ids)):
+            hidden = self.graphs.run(meta)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(meta.logits_indices).to(dev)])
+            return sample(logits, batch.params, batch.generators)
         input_ids = torch.from_numpy(meta.input_ids).to(dev, non_blocking=True)
         positions = torch.from_numpy(meta.positions).to(dev, non_blocking=True)
         seq_lens = torch.from_numpy(meta.seq_lens)

@@ -230,12 +230,15 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) 
         raise ValueError(f"all attention inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def _tile_config(block_d: int, group: int, decode: bool) -> tuple[int, int, int, int]:
+def _tile_config(block_d: int, group: int, decode: bool, fp32: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decode tiles are short (one token times the GROUP heads) and
-    bandwidth-bound; prefill tiles are 128 rows so the Q·Kᵀ and P·V products keep the tensor cores busy
-    (the shape Triton's own fused-attention tutorial uses on Hopper for head_dim 64/128); wider heads halve
-    the tile so the fp32 accumulator stays in registers."""
+    bandwidth-bound; 16-bit prefill tiles are 128 rows so the Q·Kᵀ and P·V products run as Hopper wgmma with
+    the loads pipelined (the shape of Triton's fused-attention tutorial for head_dim 64/128). Wider heads take
+    smaller tiles, and fp32 (exact products run on the FMA units, not the tensor cores) short ones with 8 warps:
+    compiled for sm_90 here, ptxas reports no register spills for these (fp32 MQA with split-KV aside: 364 B)."""
     rows_for_group = triton.next_power_of_2(group)
+    if fp32:
+        return max(16, rows_for_group), 32, 8, 3
     if decode:
         return max(16, rows_for_group), 64 if block_d <= 128 else 32, 4, 3
     if block_d <= 128:
@@ -273,7 +276,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tokens == 0 or num_seqs == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    block_m, block_n, num_warps, num_stages = _tile_config(block_d, group, decode)
+    block_m, block_n, num_warps, num_stages = _tile_config(block_d, group, decode, q.dtype == torch.float32)
     block_q = block_m // group
     if num_splits > 1:
         partial_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,

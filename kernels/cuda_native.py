@@ -10,6 +10,8 @@ import torch
 from kernels import attention
 from kernels.kv_store import check_store_inputs
 
+CUDA_HEAD_DIMS = (64, 128)  # the decode kernel's compiled instantiations
+
 
 def load():
     """The compiled module; ImportError naming the cause when it was not built."""
@@ -18,14 +20,6 @@ def load():
     except ImportError as error:
         raise ImportError("kernels._cuda is not built: install the project on a machine with CUDA "
                           "(pip install --no-build-isolation -e .) so setup.py compiles csrc/cuda") from error
-
-
-def available() -> bool:
-    try:
-        load()
-    except ImportError:
-        return False
-    return True
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -45,9 +39,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int | None = None, max_seq_len: int | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
     """kernels.attention.paged_attention, with decode-only batches (max_query_len == 1, one token per sequence)
-    sent to the CUDA C++ kernel; the hints mean the same as there."""
+    of head_dim 64 or 128 sent to the CUDA C++ kernel; the hints mean the same as there."""
     num_seqs = block_tables.shape[0]
-    if max_query_len != 1 or q.shape[0] != num_seqs:
+    if max_query_len != 1 or q.shape[0] != num_seqs or q.shape[2] not in CUDA_HEAD_DIMS:
         return attention.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                          max_query_len=max_query_len, max_seq_len=max_seq_len,
                                          num_splits=num_splits)

@@ -1,8 +1,9 @@
 """Random flattened mixed batches over a paged KV cache, for the kernel tests and benchmarks.
 
 Blocks are handed out in a shuffled order (block tables are never the identity), table entries past a sequence's
-last block point at spare blocks, and every cache slot no sequence owns (spare blocks, the tail of a last block)
-can be filled with NaN, so an attention kernel that reads a key it should not shows it in its output.
+last block point at spare blocks (block 0 among them), and every cache slot no sequence owns (spare blocks, the
+tail of a last block) can be filled with NaN, so an attention kernel that reads a key it should not shows it in
+its output.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def random_paged_batch(q_lens: list[int], context_lens: list[int], num_q_heads: 
     blocks_per_seq = [-(-length // block_size) for length in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     order = torch.randperm(num_blocks, generator=generator, device=device).to(torch.int32)
+    if spare_blocks:  # physical block 0 stays a spare: code that pads gathers with slot 0 then reads NaN
+        order = torch.cat((order[order != 0], order[order == 0]))
     max_blocks = max(blocks_per_seq, default=0) + 1
     spare = order[sum(blocks_per_seq):]
     block_tables = torch.empty((len(seq_lens), max_blocks), dtype=torch.int32, device=device)

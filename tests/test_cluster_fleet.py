@@ -11,11 +11,11 @@ import signal
 
 import pytest
 
+from cluster import protocol as p
 from cluster.autoscaler import Autoscaler, ScalingLimits
 from cluster.emulation import emulated_latency_model
 from cluster.fleet import InstanceStatus
 from cluster.launcher import LocalLauncher
-from cluster import protocol as p
 from cluster.router import Router
 from cluster.service import RouterService
 from engine.sampling_params import SamplingParams

@@ -27,14 +27,14 @@ from scheduler.tiers import Tier, TierSet
 SAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, "engine-0", 123, 5.5, 1000, 16, 4096, 32000, True, "emulated"),
     p.Submit("r1", [1, 2, 3], p.SamplingSpec(temperature=0.0, max_tokens=7, stop=["\n"], seed=3), p.SLOSpec(250, 20),
-             0.125),
+             0.125, "tight"),
     p.Submit("r2", list(range(5000)), p.SamplingSpec(), None, 0.0),
     p.Abort("r1"),
     p.Drain(),
     p.Tokens([p.TokenDelta("r1", [5, 6], "ab", [1.0, 1.5], [-0.1, -0.2]), p.TokenDelta("r2", [], "", [])]),
     p.Finish("r1", "stop", 2, 16),
     p.Error("r1", "invalid", "token id 99999 is outside the vocabulary"),
-    p.StepReport(1.0, 0.004, 512, 3, 2048, 40, 1000, 4, 1, [p.Resident("r1", 10, 11, 2)]),
+    p.StepReport(1.0, 0.004, 512, 3, 2048, 40, 1000, 4, 1, 4, [p.Resident("r1", 10, 11, 2)]),
     p.Heartbeat(7.25, 4, 1),
     p.Drained(),
 ]

@@ -19,17 +19,28 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kernels", ["triton", "cuda"])
-def test_tiny_model_greedy_equals_transformers_on_gpu(tiny_model, kernels):
-    folder, hf = tiny_model
+@pytest.mark.parametrize("kernels,eager", [("triton", True), ("triton", False), ("cuda", False)])
+def test_tiny_model_greedy_equals_transformers_on_gpu(llama_tiny, kernels, eager):
+    folder, hf = llama_tiny
     if kernels == "cuda":
         pytest.importorskip("kernels._cuda", reason="the CUDA C++ extension is not built")
     hf = hf.to("cuda")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 40, 1, 29)]
-    llm = LLM(folder, "cuda", dtype="float32", kernels=kernels, max_num_batched_tokens=32, num_kv_blocks=64)
+    llm = LLM(folder, "cuda", dtype="float32", kernels=kernels, max_num_batched_tokens=32, num_kv_blocks=64,
+              enforce_eager=eager, max_num_seqs=8)
+    assert (llm.engine.executor.graphs is None) == eager
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
         assert out.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    hf.to("cpu")
+
+
+def test_every_layout_on_gpu(tiny_model):
+    folder, hf = tiny_model
+    hf = hf.to("cuda")
+    prompt = list(range(3, 40))
+    out = LLM(folder, "cuda", dtype="float32", num_kv_blocks=32, max_num_seqs=4).generate([prompt], GREEDY)[0]
+    assert out.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
     hf.to("cpu")
 
 

@@ -2,7 +2,6 @@
 engine's own step loop, fast-forward equivalence, determinism, and that it drives the live system's objects."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -264,6 +263,20 @@ def test_overload_is_counted_not_hidden(h200):
     assert res.counts["rejected"] > 0
     assert res.attainment() < 0.9
     assert (~res.served).sum() >= res.counts["rejected"]
+
+
+def test_gives_up_only_when_the_target_is_out_of_reach(h200):
+    model, tiers, factory = h200
+    window = (2.0, 8.0)
+    for rate in (60.0, 200.0):
+        w = factory.poisson(rate, 8.0, seed=4)
+        full = Simulator(SimConfig(num_instances=4), tiers, model).run(w)
+        cut = Simulator(SimConfig(num_instances=4), tiers, model).run(w, window=window, give_up_below=0.9)
+        assert cut.aborted == (full.attainment(window) < 0.9)
+        if cut.aborted:
+            assert cut.end_time < full.end_time
+        else:
+            np.testing.assert_array_equal(cut.attained, full.attained)
 
 
 def test_autoscaled_fleet_follows_a_phase_change(h200):

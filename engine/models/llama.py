@@ -49,7 +49,8 @@ class Attention(nn.Module):
         q, k = self.ops.rotary_embedding(q, k, positions, cos_sin_cache)
         self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = self.ops.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
-                                     ctx.query_start_loc, self.scale)
+                                     ctx.query_start_loc, self.scale, max_query_len=ctx.max_query_len,
+                                     max_seq_len=ctx.max_seq_len, num_splits=ctx.num_splits)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

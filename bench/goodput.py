@@ -1,0 +1,564 @@
+"""Goodput of PolyServe and the baselines in the simulator (issue 6), against the fluid optimal bound.
+
+    python -m bench.goodput [--quick] [--fleet 64] [--fleet-sizes 8,16,32,64,128,256] [--seeds 2] [--processes 2]
+                            [--latency-profile FILE] [--trace azure2023_conv] [--out bench/results]
+
+Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
+JSON. KV pool: what the weights leave of 90 % of 141 GB (cluster/emulation.py). Lengths: the Azure conversation
+trace; Poisson arrivals; the four default tiers (cluster/workload.py), equal shares unless --mix.
+
+Policies (router, engine batch policy):
+  polyserve          polyserve router (tiers, load gradient, lazy promotion)   PolyServePolicy
+  random             random instance, tiers ignored                             FCFS, 2048-token budget
+  round-robin        next instance, tiers ignored                               FCFS, 2048-token budget
+  least-loaded       minimum predicted iteration time, tiers ignored            FCFS, 2048-token budget
+  co-chunk           least-loaded                                               FCFS, budget sized for the
+                                                                                tightest TPOT (static)
+  mixed-deadline     least-loaded                                               PolyServePolicy (deadline
+                                                                                order, dynamic chunking)
+  polyserve-no-gradient / -no-promotion / -eager-promotion: the ablations (cluster/sim_ablations.py)
+
+Prints (and writes to <out>/goodput.json): the fluid bound per tier; goodput of each policy at --fleet instances
+(bisection on the rate, pooled over --seeds, >= 90 % attaining in the measured window); per-instance goodput over
+--fleet-sizes for PolyServe and the best baseline; the autoscaled fleet through a phase change (the tier mix
+inverts mid-run), attaining requests per instance-second; per-tier TTFT/TPOT percentiles; the time to simulate
+one hour of the trace at 64 instances; the engine-versus-simulator calibration. Plots (PNG) go to <out>.
+Figures are virtual-time results of the simulator; wall times are this machine's CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cluster.autoscaler import ScalingLimits
+from cluster.emulation import emulated_latency_model
+from cluster.goodput import ATTAINMENT_TARGET, FluidBound, fluid_bound, search_goodput
+from cluster.sim_ablations import AblationRouter
+from cluster.simulator import SimConfig, SimResult, Simulator
+from cluster.workload import DEFAULT_MIX, TierMix, WorkloadFactory, default_tiers, load_trace
+from scheduler.chunking import largest_chunk
+from scheduler.profile_table import ProfileTable
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BASELINES = ("random", "round-robin", "least-loaded", "co-chunk", "mixed-deadline")
+ABLATIONS = ("polyserve-no-gradient", "polyserve-no-promotion", "polyserve-eager-promotion")
+POLICIES = ("polyserve",) + BASELINES + ABLATIONS
+
+
+@dataclass(slots=True, frozen=True)
+class Setup:
+    """What every worker process rebuilds the same way."""
+    trace: str
+    latency_profile: str | None
+    mix: tuple[float, ...]
+    warmup_s: float
+    window_s: float
+
+    def build(self):
+        model = ProfileTable.load(self.latency_profile) if self.latency_profile else emulated_latency_model()
+        tiers = default_tiers(model)
+        base = SimConfig()
+        factory = WorkloadFactory(load_trace(self.trace), tiers, model, base.kv_blocks * base.block_size,
+                                  base.max_prefill_chunk, TierMix(self.mix))
+        return model, tiers, factory
+
+
+_CACHE: dict = {}
+
+
+def _built(setup: Setup):
+    if setup not in _CACHE:
+        _CACHE[setup] = setup.build()
+    return _CACHE[setup]
+
+
+def co_chunk_budget(model, tiers, bound: FluidBound) -> int:
+    """The static token budget of co-chunk: the largest chunk with which the tightest tier's full batch (its fluid
+    B, at its steady-state KV) still meets the tightest TPOT."""
+    tight = bound.tiers[0]
+    kv = round(tight.batch * (tight.mean_prompt + tight.mean_output / 2))
+    return max(16, largest_chunk(model, tiers[0].tpot_ms / 1000.0, tight.batch, kv, 2048))
+
+
+def make_simulator(policy: str, num_instances: int, model, tiers, co_budget: int, **config) -> Simulator:
+    if policy == "polyserve":
+        return Simulator(SimConfig(num_instances=num_instances, **config), tiers, model)
+    if policy in ("random", "round-robin", "least-loaded"):
+        return Simulator(SimConfig(num_instances=num_instances, router_policy=policy, engine_policy="fcfs",
+                                   **config), tiers, model)
+    if policy == "co-chunk":
+        return Simulator(SimConfig(num_instances=num_instances, router_policy="least-loaded", engine_policy="fcfs",
+                                   max_prefill_chunk=co_budget, **config), tiers, model)
+    if policy == "mixed-deadline":
+        return Simulator(SimConfig(num_instances=num_instances, router_policy="least-loaded",
+                                   engine_policy="polyserve", **config), tiers, model)
+    ablation = {"polyserve-no-gradient": dict(gradient=False), "polyserve-no-promotion": dict(promotion="none"),
+                "polyserve-eager-promotion": dict(promotion="eager")}.get(policy)
+    if ablation is None:
+        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    return Simulator(SimConfig(num_instances=num_instances, **config), tiers, model, router_class=AblationRouter,
+                     router_kwargs=ablation)
+
+
+# ---- one simulation (runs in a worker) ------------------------------------------------------------------------
+def _attainment(setup: Setup, policy: str, num_instances: int, co_budget: int, num_seeds: int, rate: float,
+                seed: int) -> float:
+    """Attainment in the measured window; NaN for a run given up because its attainment fell so low that the
+    mean over `num_seeds` seeds cannot reach the target whatever the others do."""
+    model, tiers, factory = _built(setup)
+    duration = setup.warmup_s + setup.window_s
+    window = (setup.warmup_s, duration)
+    sim = make_simulator(policy, num_instances, model, tiers, co_budget, seed=seed)
+    give_up = max(0.0, 1.0 - num_seeds * (1.0 - ATTAINMENT_TARGET))
+    res = sim.run(factory.poisson(rate, duration, seed), window=window, give_up_below=give_up or None)
+    return math.nan if res.aborted else res.attainment(window)
+
+
+@dataclass(slots=True)
+class SearchJob:
+    setup: Setup
+    policy: str
+    num_instances: int
+    co_budget: int
+    seeds: tuple[int, ...]
+    low: float
+    high: float
+    rel_tol: float
+
+
+def run_search(job: SearchJob) -> dict:
+    t0 = time.perf_counter()
+    found = search_goodput(lambda rate, seed: _attainment(job.setup, job.policy, job.num_instances, job.co_budget,
+                                                          len(job.seeds), rate, seed),
+                           job.seeds, job.low, job.high, rel_tol=job.rel_tol)
+    return {"policy": job.policy, "num_instances": job.num_instances, "goodput": found.goodput,
+            "probes": [(p.rate, p.attainment, list(p.per_seed)) for p in found.probes],
+            "wall_s": time.perf_counter() - t0}
+
+
+def run_detail(args: tuple) -> dict:
+    """One run kept whole: per-tier latency arrays of the measured window and the fleet samples."""
+    setup, policy, num_instances, co_budget, rate, seed, autoscale, phase_change_at, duration = args
+    model, tiers, factory = _built(setup)
+    config = {} if autoscale is None else dict(autoscale=autoscale, cold_start_s=30.0)
+    sim = make_simulator(policy, num_instances, model, tiers, co_budget, seed=seed, **config)
+    w = factory.poisson(rate, duration, seed, phase_change_at=phase_change_at)
+    res: SimResult = sim.run(w)
+    window = (setup.warmup_s, duration)
+    mask = (res.arrival >= window[0]) & (res.arrival < window[1])
+    per_tier = {}
+    for k, name in enumerate(res.tier_names):
+        m = mask & (res.tier == k)
+        per_tier[name] = {"ttft": res.ttft[m & res.served].tolist(), "mean_tpot": res.mean_tpot[m & res.served].tolist(),
+                          "max_gap": res.max_gap[m & res.served].tolist(),
+                          "attained": float(res.attained[m].mean()) if m.any() else math.nan,
+                          "attained_mean_tpot": float(res.attained_mean_tpot[m].mean()) if m.any() else math.nan,
+                          "attained_max_gap": float(res.attained_max_gap[m].mean()) if m.any() else math.nan,
+                          "tpot_ms": tiers[k].tpot_ms, "ttft_ms": tiers[k].ttft_ms}
+    return {"policy": policy, "rate": rate, "num_instances": num_instances, "attainment": res.attainment(window),
+            "attained_total": int(res.attained.sum()), "instance_seconds": res.instance_seconds,
+            "end_time": res.end_time, "samples": res.samples, "per_tier": per_tier, "counts": res.counts,
+            "wall_s": res.wall_s, "promoted": float(res.promoted[mask].mean())}
+
+
+def run_speed(args: tuple) -> dict:
+    """One hour of the trace as recorded (no rescaling) at 64 instances, PolyServe, one core."""
+    setup, num_instances, duration = args
+    model, tiers, factory = _built(setup)
+    w = factory.replay(seed=0, duration=duration)
+    res = Simulator(SimConfig(num_instances=num_instances), tiers, model).run(w)
+    return {"requests": len(w), "trace_s": w.duration, "wall_s": res.wall_s, "steps": res.num_steps,
+            "policy_calls": res.num_policy_calls, "attainment": res.attainment()}
+
+
+def run_calibration(args: tuple) -> dict:
+    """The same workload on one emulated engine in real time and in the simulator (time-scaled latency model):
+    the simulator as is, and with the engine's measured host time per step added to every step."""
+    import dataclasses
+
+    from cluster.calibration import attained, replay_on_engine, write_emulated_model_folder
+    from cluster.emulation import ScaledLatencyModel
+    from scheduler.polyserve import PolyServePolicy
+
+    setup, time_scale, rate, duration, seed = args
+    base, _, _ = _built(setup)
+    model = ScaledLatencyModel(base, time_scale)
+    tiers = default_tiers(model)
+    cfg = SimConfig(num_instances=1, router_policy="round-robin", reveal_output_len=True)
+    factory = WorkloadFactory(load_trace(setup.trace), tiers, model, cfg.kv_blocks * cfg.block_size,
+                              cfg.max_prefill_chunk, TierMix(setup.mix))
+    w = factory.poisson(rate, duration, seed)
+    with tempfile.TemporaryDirectory() as folder:
+        policy = PolyServePolicy(model, tiers[len(tiers) - 1].slo, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                 cfg.max_prefill_chunk)
+        live = replay_on_engine(w, model, policy, write_emulated_model_folder(folder), cfg.kv_blocks, clock="real")
+    raw = Simulator(cfg, tiers, model).run(w)
+    sim = Simulator(dataclasses.replace(cfg, step_overhead_s=live.step_overhead_s,
+                                        step_overhead_per_seq_s=live.step_overhead_per_seq_s), tiers, model).run(w)
+    live_attained = attained(w, live.token_times)
+    out = {"time_scale": time_scale, "rate": rate, "requests": len(w), "step_overhead_s": live.step_overhead_s,
+           "step_overhead_per_seq_s": live.step_overhead_per_seq_s,
+           "live_attainment": float(live_attained.mean()), "sim_attainment": sim.attainment(),
+           "raw_sim_attainment": raw.attainment(), "live_wall_s": live.wall_s, "tiers": {}}
+    for k, tier in enumerate(tiers):
+        idx = np.flatnonzero(w.tier_index == k)
+        times = [live.token_times[i] for i in idx]
+        out["tiers"][tier.name] = {
+            "live_ttft": [t[0] - w.arrivals[i] for i, t in zip(idx, times)],
+            "live_tpot": [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1],
+            "sim_ttft": sim.ttft[idx].tolist(), "sim_tpot": sim.mean_tpot[idx][~np.isnan(sim.mean_tpot[idx])].tolist(),
+            "raw_ttft": raw.ttft[idx].tolist(), "raw_tpot": raw.mean_tpot[idx][~np.isnan(raw.mean_tpot[idx])].tolist(),
+            "live_attained": float(live_attained[idx].mean()), "sim_attained": float(sim.attained[idx].mean())}
+    return out
+
+
+# ---- orchestration --------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Plan:
+    fleet: int
+    fleet_sizes: tuple[int, ...]
+    seeds: tuple[int, ...]
+    warmup_s: float
+    window_s: float
+    rel_tol: float
+    scan_rel_tol: float
+    autoscale_max: int
+    autoscale_duration: float
+    speed_duration: float | None
+    calibration: tuple[float, float, float]  # time scale, rate per second of scaled time, duration
+    policies: tuple[str, ...] = POLICIES
+    notes: list[str] = field(default_factory=list)
+
+
+def make_plan(args) -> Plan:
+    if args.quick:
+        plan = Plan(fleet=8, fleet_sizes=(4, 8, 16), seeds=(1,), warmup_s=6.0, window_s=10.0, rel_tol=0.08,
+                    scan_rel_tol=0.1, autoscale_max=8, autoscale_duration=90.0, speed_duration=600.0,
+                    calibration=(0.5, 28.0, 8.0))
+    else:
+        plan = Plan(fleet=64, fleet_sizes=(8, 16, 32, 64, 128, 256), seeds=(1, 2), warmup_s=8.0, window_s=12.0,
+                    rel_tol=0.05, scan_rel_tol=0.06, autoscale_max=16, autoscale_duration=240.0,
+                    speed_duration=None, calibration=(1.0, 16.0, 20.0))
+    if args.fleet:
+        plan.fleet = args.fleet
+    if args.fleet_sizes:
+        plan.fleet_sizes = tuple(int(x) for x in args.fleet_sizes.split(","))
+    if args.seeds:
+        plan.seeds = tuple(range(1, args.seeds + 1))
+    if args.policies:
+        plan.policies = tuple(args.policies.split(","))
+        unknown = set(plan.policies) - set(POLICIES)
+        if unknown:
+            raise SystemExit(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
+    return plan
+
+
+def _map(pool, fn, jobs, label: str):
+    """Results in job order, with a progress bar."""
+    from tqdm import tqdm
+
+    out = [None] * len(jobs)
+    it = pool.imap_unordered(_indexed, [(fn, i, j) for i, j in enumerate(jobs)]) if pool else \
+        (_indexed((fn, i, j)) for i, j in enumerate(jobs))
+    for i, result in tqdm(it, total=len(jobs), desc=label, file=sys.stderr, leave=False):
+        out[i] = result
+    return out
+
+
+def _indexed(args):
+    fn, i, job = args
+    return i, fn(job)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small fleets, short runs, one seed (a few minutes)")
+    ap.add_argument("--fleet", type=int, default=None, help="fixed fleet of the policy comparison (full: 64)")
+    ap.add_argument("--fleet-sizes", default=None, help="comma-separated fleet sizes of the scaling scan")
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(POLICIES)}")
+    ap.add_argument("--processes", type=int, default=2)
+    ap.add_argument("--latency-profile", default=None, help="profile JSON (default: the H200 roofline model)")
+    ap.add_argument("--trace", default="azure2023_conv")
+    ap.add_argument("--mix", default="1,1,1,1", help="tier shares, tightest first (default: equal)")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    plan = make_plan(args)
+    mix = tuple(float(x) for x in args.mix.split(","))
+    setup = Setup(args.trace, args.latency_profile, mix, plan.warmup_s, plan.window_s)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    model, tiers, factory = _built(setup)
+    base = SimConfig()
+    kv_tokens = base.kv_blocks * base.block_size
+    bound = fluid_bound(model, factory.poisson(200.0, 200.0, seed=0), kv_tokens, base.max_num_seqs)
+    co_budget = co_chunk_budget(model, tiers, bound)
+    report: dict = {"plan": asdict(plan), "setup": asdict(setup), "kv_capacity_tokens": kv_tokens,
+                    "co_chunk_budget": co_budget,
+                    "tiers": [{"name": t.name, "tpot_ms": t.tpot_ms, "ttft_ms": t.ttft_ms} for t in tiers],
+                    "bound": [asdict(c) for c in bound.tiers], "bound_shares": bound.shares}
+    print(f"latency model: {args.latency_profile or 'roofline Llama-3.1-8B bf16 on H200'}; KV pool "
+          f"{kv_tokens:,} tokens per instance; trace {args.trace}; tier mix {mix}")
+    print("\nFluid bound per tier (one instance, that tier alone):")
+    print(f"  {'tier':8} {'TPOT ms':>8} {'TTFT ms':>8} {'P':>6} {'D':>5} {'B_k':>5} {'T(B_k) ms':>9} {'req/s':>7}")
+    for t, c in zip(tiers, bound.tiers):
+        print(f"  {t.name:8} {t.tpot_ms:8.2f} {t.ttft_ms:8.1f} {c.mean_prompt:6.0f} {c.mean_output:5.0f} "
+              f"{c.batch:5d} {c.iteration_s * 1000:9.2f} {c.requests_per_s:7.2f}")
+    print(f"  mix {tuple(round(s, 3) for s in bound.shares)}: lambda* = {bound.rate(1):.2f} req/s per instance; "
+          f"co-chunk static budget {co_budget} tokens")
+
+    pool = multiprocessing.get_context("fork").Pool(args.processes) if args.processes > 1 else None
+    try:
+        # 1. policy comparison at the main fleet
+        lam = bound.rate(plan.fleet)
+        # the ablations on the first seed only: they are the costliest runs (the router's test on every placement)
+        jobs = [SearchJob(setup, p, plan.fleet, co_budget, plan.seeds[:1] if p in ABLATIONS else plan.seeds,
+                          0.75 * lam, lam, plan.rel_tol) for p in plan.policies]
+        searches = _map(pool, run_search, jobs, f"goodput at {plan.fleet} instances")
+        report["comparison"] = searches
+        best_baseline = max((s for s in searches if s["policy"] in BASELINES), key=lambda s: s["goodput"],
+                            default=None)
+        print(f"\nGoodput at {plan.fleet} instances (>= 90 % attaining; seeds {plan.seeds}, ablations seed 1; "
+              f"lambda* = {lam:.1f} req/s):")
+        print(f"  {'policy':26} {'req/s':>8} {'per inst':>8} {'of bound':>8} {'vs best baseline':>16} {'wall s':>7}")
+        for s in searches:
+            ratio = s["goodput"] / best_baseline["goodput"] if best_baseline and best_baseline["goodput"] else math.nan
+            print(f"  {s['policy']:26} {s['goodput']:8.1f} {s['goodput'] / plan.fleet:8.2f} "
+                  f"{s['goodput'] / lam:8.1%} {ratio:15.2f}x {s['wall_s']:7.0f}")
+        plot_attainment_vs_rate(searches, lam, plan.fleet, out_dir / "attainment_vs_rate.png")
+
+        # 2. per-instance goodput over fleet sizes, PolyServe and the best baseline
+        scan_policies = [p for p in ("polyserve", best_baseline["policy"] if best_baseline else None) if p]
+        per_inst = {s["policy"]: s["goodput"] / plan.fleet for s in searches}
+        jobs = []
+        for p in scan_policies:
+            for n in plan.fleet_sizes:
+                guess = per_inst.get(p) or bound.rate(1)
+                guess = guess if guess > 0 else bound.rate(1) * 0.5
+                jobs.append(SearchJob(setup, p, n, co_budget, plan.seeds[:1], 0.8 * guess * n, 1.1 * guess * n,
+                                      plan.scan_rel_tol))
+        # largest fleets first: they take longest, so the pool stays busy to the end
+        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
+        scan = _map(pool, run_search, [jobs[i] for i in order], "fleet-size scan")
+        scan = [scan[order.index(i)] for i in range(len(jobs))]
+        report["scan"] = scan
+        print("\nGoodput per instance by fleet size (req/s per instance; seed 1):")
+        print("  " + f"{'instances':>10}" + "".join(f"{p:>18}" for p in scan_policies) + f"{'bound':>10}")
+        for n in plan.fleet_sizes:
+            row = [next(s for s in scan if s["policy"] == p and s["num_instances"] == n) for p in scan_policies]
+            print("  " + f"{n:>10}" + "".join(f"{r['goodput'] / n:18.2f}" for r in row) + f"{bound.rate(1):10.2f}")
+        plot_scan(scan, scan_policies, plan.fleet_sizes, bound.rate(1), out_dir / "goodput_vs_fleet_size.png")
+
+        # 3. detail runs: per-tier latency at a common load; the autoscaled fleet through a phase change;
+        #    the speed measurement; the calibration
+        common_rate = 0.8 * min(s["goodput"] for s in searches if s["policy"] in scan_policies) \
+            if all(s["goodput"] > 0 for s in searches if s["policy"] in scan_policies) else 0.5 * lam
+        duration = plan.warmup_s + plan.window_s
+        skewed = Setup(args.trace, args.latency_profile, DEFAULT_MIX, plan.warmup_s, plan.window_s)
+        skewed_model, _, skewed_factory = _built(skewed)
+        skewed_bound = fluid_bound(skewed_model, skewed_factory.poisson(200.0, 200.0, seed=0), kv_tokens,
+                                   base.max_num_seqs)
+        auto_rate = 0.6 * skewed_bound.rate(plan.autoscale_max)
+        start_fleet = max(2, math.ceil(auto_rate / (0.8 * skewed_bound.rate(1))))
+        limits = ScalingLimits(min_instances=2, max_instances=plan.autoscale_max, idle_pool=2, stop_after_idle_s=10.0)
+        detail_jobs = [(setup, p, plan.fleet, co_budget, common_rate, 1, None, None, duration) for p in scan_policies]
+        detail_jobs.append((skewed, "polyserve", start_fleet, co_budget, auto_rate, 1, limits,
+                            plan.autoscale_duration / 2, plan.autoscale_duration))
+        tasks = [(run_detail, j) for j in detail_jobs] + [(run_speed, (setup, 64, plan.speed_duration)),
+                                                           (run_calibration, (setup, *plan.calibration, 1))]
+        results = _map(pool, _call, tasks, "detail runs")
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    details, auto, speed, calib = results[:len(scan_policies)], results[-3], results[-2], results[-1]
+    report["latency"] = [{k: v for k, v in d.items() if k != "samples"} for d in details]
+    print(f"\nPer-tier latency at {common_rate:.0f} req/s on {plan.fleet} instances (measured window; "
+          f"attainment: cumulative / mean-TPOT / max-gap views):")
+    print(f"  {'policy':16} {'tier':8} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} {'attained':>22}")
+    for d in details:
+        for name, t in d["per_tier"].items():
+            ttft = np.array(t["ttft"]) * 1000
+            tpot = np.array(t["mean_tpot"]) * 1000
+            tpot = tpot[~np.isnan(tpot)]
+            print(f"  {d['policy']:16} {name:8} {_pct(ttft, 50):8.0f} / {_pct(ttft, 99):7.0f} "
+                  f"{_pct(tpot, 50):8.1f} / {_pct(tpot, 99):7.1f} "
+                  f"{t['attained']:6.1%} / {t['attained_mean_tpot']:6.1%} / {t['attained_max_gap']:6.1%}")
+    plot_latency(details, out_dir / "tier_latency.png")
+
+    report["autoscaled"] = {k: v for k, v in auto.items() if k != "per_tier"}
+    per_inst_s = auto["attained_total"] / auto["instance_seconds"]
+    print(f"\nAutoscaled PolyServe, {auto_rate:.0f} req/s for {plan.autoscale_duration:.0f} s, tier mix {DEFAULT_MIX} "
+          f"inverted at {plan.autoscale_duration / 2:.0f} s ({start_fleet} instances at the start, 2..{plan.autoscale_max}, "
+          f"2 warm idle, 30 s cold start): attainment {auto['attainment']:.1%} (after {plan.warmup_s:.0f} s), "
+          f"{per_inst_s:.2f} attaining requests per instance-second held ({auto['instance_seconds']:.0f} "
+          f"instance-s; {auto['promoted']:.1%} promoted); fluid bound {skewed_bound.rate(1):.2f} req/s per instance")
+    plot_phase_change(auto, [t.name for t in tiers], plan.autoscale_duration / 2, out_dir / "phase_change.png")
+
+    report["speed"] = speed
+    print(f"\nSpeed: {speed['trace_s']:.0f} s of {args.trace} as recorded ({speed['requests']} requests) at 64 "
+          f"instances, PolyServe: {speed['wall_s']:.1f} s wall on one core ({speed['steps']:,} steps, "
+          f"{speed['policy_calls']:,} batch-policy calls; attainment {speed['attainment']:.1%})")
+
+    report["calibration"] = calib
+    print(f"\nCalibration, one instance, PolyServePolicy, latency model x{calib['time_scale']}, "
+          f"{calib['rate']:g} req/s, {calib['requests']} requests: attaining live engine (real time) "
+          f"{calib['live_attainment']:.1%}, simulator {calib['raw_sim_attainment']:.1%}, simulator with the engine's "
+          f"measured host time per step ({calib['step_overhead_s'] * 1000:.2f} ms + "
+          f"{calib['step_overhead_per_seq_s'] * 1e6:.1f} us per sequence) {calib['sim_attainment']:.1%}")
+    for name, t in calib["tiers"].items():
+        print(f"  {name:8} TTFT p50 live {_pct(np.array(t['live_ttft']) * 1000, 50):7.1f} ms sim "
+              f"{_pct(np.array(t['sim_ttft']) * 1000, 50):7.1f} ms; TPOT p50 live "
+              f"{_pct(np.array(t['live_tpot']) * 1000, 50):6.2f} ms sim {_pct(np.array(t['sim_tpot']) * 1000, 50):6.2f} ms;"
+              f" attained live {t['live_attained']:.0%} sim {t['sim_attained']:.0%}")
+    plot_calibration(calib, out_dir / "calibration.png")
+    report["wall_s"] = time.perf_counter() - t_start
+    (out_dir / "goodput.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    print(f"\nwrote {out_dir}/goodput.json and plots; total wall time {report['wall_s']:.0f} s")
+
+
+def _call(task):
+    fn, arg = task
+    return fn(arg)
+
+
+def _pct(a: np.ndarray, q: float) -> float:
+    return float(np.percentile(a, q)) if len(a) else math.nan
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer, np.floating)):
+        return o.item()
+    raise TypeError(type(o).__name__)
+
+
+# ---- plots ----------------------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_attainment_vs_rate(searches: list[dict], lam: float, fleet: int, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for s in searches:
+        probes = sorted(p for p in s["probes"] if not math.isnan(p[1]))
+        line, = ax.plot([p[0] for p in probes], [p[1] for p in probes], marker="o", ms=3,
+                        ls="-" if not s["policy"].startswith("polyserve-") else ":", label=s["policy"])
+        stopped = [p[0] for p in s["probes"] if math.isnan(p[1])]
+        ax.plot(stopped, [0.0] * len(stopped), marker="x", ls="none", color=line.get_color())
+    ax.axhline(ATTAINMENT_TARGET, color="grey", lw=0.8)
+    ax.axvline(lam, color="black", ls="--", lw=0.8, label="fluid bound")
+    ax.set_xlabel("arrival rate (req/s)")
+    ax.set_ylabel("SLO attainment (measured window)")
+    ax.set_title(f"Attainment vs rate, {fleet} instances: the goodput search's probes (x at 0: a run stopped "
+                 f"early, certain to be below 90 %)", fontsize=9)
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scan(scan: list[dict], policies: list[str], sizes: tuple[int, ...], bound_per_instance: float,
+              path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in policies:
+        ax.plot(sizes, [next(s["goodput"] for s in scan if s["policy"] == p and s["num_instances"] == n) / n
+                        for n in sizes], marker="o", label=p)
+    ax.axhline(bound_per_instance, color="black", ls="--", lw=0.8, label="fluid bound")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.set_xlabel("instances")
+    ax.set_ylabel("goodput per instance (req/s)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_phase_change(auto: dict, tier_names: list[str], change_at: float, path: Path) -> None:
+    plt = _plt()
+    samples = auto["samples"]
+    t = [s[0] for s in samples]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    counts = np.array([s[1] for s in samples])
+    ax.stackplot(t, *counts.T, [s[2] for s in samples], labels=[*tier_names, "idle pool"], alpha=0.8)
+    ax.plot(t, [s[3] for s in samples], color="black", lw=1, label="live (incl. starting)")
+    ax.axvline(change_at, color="red", ls="--", lw=1, label="tier mix inverts")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("instances")
+    ax.set_title("Autoscaled PolyServe: instances per tier through a phase change", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_latency(details: list[dict], path: Path) -> None:
+    plt = _plt()
+    names = list(details[0]["per_tier"])
+    fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6), squeeze=False)
+    for d in details:
+        for j, name in enumerate(names):
+            t = d["per_tier"][name]
+            for row, key, slo in ((0, "ttft", t["ttft_ms"]), (1, "mean_tpot", t["tpot_ms"])):
+                v = np.sort(np.array(t[key]) * 1000)
+                v = v[~np.isnan(v)]
+                ax = axes[row][j]
+                if len(v):
+                    ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=d["policy"])
+                ax.axvline(slo, color="grey", ls="--", lw=0.8)
+                ax.set_xlabel(f"{'TTFT' if row == 0 else 'mean TPOT'} (ms), {name}")
+                ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("CDF")
+    axes[1][0].set_ylabel("CDF")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Per-tier TTFT and TPOT (dashed: the tier's SLO)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_calibration(calib: dict, path: Path) -> None:
+    plt = _plt()
+    names = list(calib["tiers"])
+    fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6), squeeze=False)
+    for j, name in enumerate(names):
+        t = calib["tiers"][name]
+        for row, (a, b, label) in enumerate((("live_ttft", "sim_ttft", "TTFT"), ("live_tpot", "sim_tpot", "TPOT"))):
+            ax = axes[row][j]
+            raw = "raw_ttft" if row == 0 else "raw_tpot"
+            for key, style, label in ((a, "-", "engine (real time)"), (b, "--", "simulator + host time"),
+                                      (raw, ":", "simulator")):
+                v = np.sort(np.array(t[key]) * 1000)
+                if len(v):
+                    ax.plot(v, np.arange(1, len(v) + 1) / len(v), ls=style, label=label)
+            ax.set_xlabel(f"{label} (ms, scaled), {name}")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Engine vs simulator, one instance, latency model x{calib['time_scale']}: attainment "
+                 f"{calib['live_attainment']:.1%} live, {calib['sim_attainment']:.1%} simulated with the measured "
+                 f"host time, {calib['raw_sim_attainment']:.1%} without", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Workloads (cluster/workload.py) and the goodput arithmetic (cluster/goodput.py)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cluster.goodput import fluid_bound, search_goodput, tier_capacity
+from cluster.workload import (REFUSED, TierMix, Workload, WorkloadFactory, assign_tiers, default_tiers, load_trace,
+                              max_idle_prompts)
+from scheduler.attainability import AttainabilityChecker
+from scheduler.instance_state import RequestSnapshot
+from scheduler.output_length import OutputLengthTracker
+from scheduler.roofline import H200_SXM, LLAMA_3_1_8B, RooflineLatencyModel
+from scheduler.tiers import Tier, TierSet
+
+MODEL = RooflineLatencyModel(H200_SXM, LLAMA_3_1_8B)
+KV = 800_000
+
+
+class LinearModel:
+    def __init__(self, a, b, c, e=0.0):
+        self.a, self.b, self.c, self.e = a, b, c, e
+
+    def predict(self, p, d, k):
+        return self.a + self.b * p + self.c * d + self.e * k
+
+
+@pytest.fixture(scope="module")
+def conv():
+    return load_trace("azure2023_conv")
+
+
+@pytest.fixture(scope="module")
+def factory(conv):
+    return WorkloadFactory(conv, default_tiers(MODEL), MODEL, KV, 2048)
+
+
+def test_trace_as_documented(conv):
+    assert len(conv.arrivals) == 19366  # ../shared/traces/README.md
+    assert conv.arrivals[0] == 0 and np.all(np.diff(conv.arrivals) >= 0)
+    assert np.median(conv.prompt_lens) == 1020 and np.median(conv.output_lens) == 129
+    assert conv.mean_rate == pytest.approx(5.53, abs=0.01)
+
+
+def test_bad_trace_is_refused(tmp_path):
+    (tmp_path / "t.csv").write_text("time,prompt,output\n0,1,1\n")
+    with pytest.raises(ValueError, match="header"):
+        load_trace("t", tmp_path)
+    with pytest.raises(FileNotFoundError):
+        load_trace("missing", tmp_path)
+
+
+def test_default_tiers_tight_to_loose_and_tightest_attainable_when_idle():
+    tiers = default_tiers(MODEL)
+    assert [t.name for t in tiers] == ["tight", "snug", "relaxed", "loose"]
+    assert all(a.tpot_ms < b.tpot_ms and a.ttft_ms < b.ttft_ms for a, b in zip(tiers, tiers[1:]))
+    checker = AttainabilityChecker(MODEL, OutputLengthTracker(211), 2048)
+    median = RequestSnapshot(0.0, 1020, 129, tiers[0].slo, "tight")
+    assert checker.check_idle(median, KV).ok
+
+
+def test_poisson_rate_and_reproducibility(factory):
+    w = factory.poisson(50.0, 200.0, seed=3)
+    assert abs(len(w) - 10_000) < 5 * math.sqrt(10_000)
+    assert w.arrivals.max() < 200.0
+    again = factory.poisson(50.0, 200.0, seed=3)
+    assert np.array_equal(w.arrivals, again.arrivals) and np.array_equal(w.tier_index, again.tier_index)
+    other = factory.poisson(50.0, 200.0, seed=4)
+    assert not np.array_equal(w.tier_index[:1000], other.tier_index[:1000])
+    # lengths and tiers come from their own streams: a different rate keeps request i's lengths and tier
+    faster = factory.poisson(80.0, 200.0, seed=3)
+    n = min(len(w), len(faster))
+    assert np.array_equal(w.prompt_lens[:n], faster.prompt_lens[:n])
+    assert np.array_equal(w.tier_index[:n], faster.tier_index[:n])
+
+
+def test_phase_change_inverts_the_mix(conv):
+    tiers = default_tiers(MODEL)
+    f = WorkloadFactory(conv, tiers, MODEL, KV, 2048, TierMix((0.4, 0.3, 0.2, 0.1)))
+    w = f.poisson(100.0, 400.0, seed=1, phase_change_at=200.0)
+    early, late = w.arrivals < 200.0, w.arrivals >= 200.0
+    for k, (p_early, p_late) in enumerate(zip((0.4, 0.3, 0.2, 0.1), (0.1, 0.2, 0.3, 0.4))):
+        assert np.mean(w.tier_index[early] == k) == pytest.approx(p_early, abs=0.02)
+        assert np.mean(w.tier_index[late] == k) == pytest.approx(p_late, abs=0.02)
+
+
+def test_slo_assigned_only_if_attainable_on_an_idle_instance():
+    tiers = TierSet([Tier("tight", 10.0, 60.0), Tier("mid", 20.0, 200.0), Tier("loose", 50.0, 400.0)])
+    limits = max_idle_prompts(tiers, MODEL, KV, 2048, 200.0)
+    assert 0 < limits[0] < limits[1] < limits[2]
+    checker = AttainabilityChecker(MODEL, OutputLengthTracker(200.0), 2048)
+    for k, tier in enumerate(tiers):  # the limit is exact: one more token and the idle test fails
+        assert checker.check_idle(RequestSnapshot(0.0, limits[k], 1 << 30, tier.slo, tier.name), KV).ok
+        assert not checker.check_idle(RequestSnapshot(0.0, limits[k] + 1, 1 << 30, tier.slo, tier.name), KV).ok
+    prompts = np.array([limits[0], limits[0] + 1, limits[1] + 1, limits[2] + 1])
+    tier = assign_tiers(np.zeros(4), prompts, TierMix((1, 0, 0)), limits, np.random.default_rng(0))
+    assert tier.tolist() == [0, 1, 2, REFUSED]
+
+
+def test_replay_rescales_the_trace(factory, conv):
+    w = factory.replay(seed=0, rate_scale=4.0, duration=100.0)
+    n = int(np.searchsorted(conv.arrivals / 4.0, 100.0))
+    assert len(w) == n
+    np.testing.assert_allclose(w.arrivals, conv.arrivals[:n] / 4.0)
+    assert np.array_equal(w.output_lens, conv.output_lens[:n])
+
+
+def test_bad_inputs_named():
+    with pytest.raises(ValueError, match="tier mix"):
+        TierMix((0.0, 0.0))
+    with pytest.raises(ValueError, match="different lengths"):
+        Workload(np.zeros(2), np.ones(1, np.int64), np.ones(2, np.int64), np.zeros(2, np.int8), default_tiers(MODEL))
+
+
+# ---- goodput --------------------------------------------------------------------------------------------------
+def test_tier_capacity_by_hand():
+    """T(B) = a + b * B * P / D + c * B: the largest B with T(B) <= tpot is floor((tpot - a) / (b P / D + c))."""
+    m = LinearModel(a=0.004, b=2e-5, c=5e-5)
+    p, d, tpot = 1000.0, 200.0, 20.0
+    cap = tier_capacity(m, "t", tpot, p, d, kv_capacity_tokens=10**9, max_batch=10_000)
+    assert cap.batch == math.floor((0.020 - 0.004) / (2e-5 * 5 + 5e-5))  # 106
+    assert cap.requests_per_s == pytest.approx(cap.batch / (d * m.predict(round(cap.batch * 5), cap.batch, 0)))
+    kv_bound = tier_capacity(m, "t", tpot, p, d, kv_capacity_tokens=50 * 1100, max_batch=10_000)
+    assert kv_bound.batch == 50  # 50 * (1000 + 100) tokens fill the pool
+    assert tier_capacity(m, "t", 3.0, p, d, 10**9, 10_000).requests_per_s == 0.0  # below the fixed cost
+
+
+def test_fluid_bound_mixes_tiers_harmonically():
+    m = LinearModel(a=0.004, b=2e-5, c=5e-5)
+    tiers = TierSet([Tier("a", 10.0, 1000.0), Tier("b", 40.0, 1000.0)])
+    w = Workload(np.arange(4.0), np.full(4, 1000, np.int64), np.full(4, 200, np.int64),
+                 np.array([0, 1, 1, 1], np.int8), tiers)
+    bound = fluid_bound(m, w, 10**9, 10_000)
+    ca, cb = (c.requests_per_s for c in bound.tiers)
+    assert bound.shares == (0.25, 0.75)
+    assert bound.rate(10) == pytest.approx(10 / (0.25 / ca + 0.75 / cb))
+
+
+def test_search_finds_the_threshold():
+    calls = []
+
+    def attainment(rate, seed):
+        calls.append((rate, seed))
+        return 0.95 if rate <= 123.0 else 0.5
+
+    found = search_goodput(attainment, seeds=(1, 2), low=50.0, high=100.0, rel_tol=0.01)
+    assert 123.0 / 1.01 <= found.goodput <= 123.0
+    assert {s for _, s in calls} == {1, 2} and len(calls) == 2 * len(found.probes)
+    given_up = search_goodput(lambda r, s: 0.97 if r <= 80.0 else math.nan, seeds=(1,), low=50.0, high=100.0,
+                              rel_tol=0.01)  # NaN: a run stopped once certain to miss the target
+    assert 80.0 / 1.01 <= given_up.goodput <= 80.0
+    nothing = search_goodput(lambda r, s: 0.0, seeds=(1,), low=1.0, high=2.0, max_probes=4)
+    assert nothing.goodput == 0.0
