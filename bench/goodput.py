@@ -41,7 +41,7 @@ import numpy as np
 
 from cluster.autoscaler import ScalingLimits
 from cluster.emulation import emulated_latency_model
-from cluster.goodput import ATTAINMENT_TARGET, FluidBound, fluid_bound, search_goodput
+from cluster.goodput import ATTAINMENT_TARGET, FluidBound, TierCapacity, fluid_bound, search_goodput
 from cluster.sim_ablations import AblationRouter
 from cluster.simulator import SimConfig, SimResult, Simulator
 from cluster.workload import DEFAULT_MIX, TierMix, WorkloadFactory, default_tiers, load_trace
@@ -291,7 +291,11 @@ def main(argv=None) -> None:
     ap.add_argument("--trace", default="azure2023_conv")
     ap.add_argument("--mix", default="1,1,1,1", help="tier shares, tightest first (default: equal)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the plots of a goodput.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        write_plots(json.loads(Path(args.replot).read_text()), Path(args.out))
+        return
     plan = make_plan(args)
     mix = tuple(float(x) for x in args.mix.split(","))
     setup = Setup(args.trace, args.latency_profile, mix, plan.warmup_s, plan.window_s)
@@ -335,7 +339,6 @@ def main(argv=None) -> None:
             ratio = s["goodput"] / best_baseline["goodput"] if best_baseline and best_baseline["goodput"] else math.nan
             print(f"  {s['policy']:26} {s['goodput']:8.1f} {s['goodput'] / plan.fleet:8.2f} "
                   f"{s['goodput'] / lam:8.1%} {ratio:15.2f}x {s['wall_s']:7.0f}")
-        plot_attainment_vs_rate(searches, lam, plan.fleet, out_dir / "attainment_vs_rate.png")
 
         # 2. per-instance goodput over fleet sizes, PolyServe and the best baseline
         scan_policies = [p for p in ("polyserve", best_baseline["policy"] if best_baseline else None) if p]
@@ -357,7 +360,6 @@ def main(argv=None) -> None:
         for n in plan.fleet_sizes:
             row = [next(s for s in scan if s["policy"] == p and s["num_instances"] == n) for p in scan_policies]
             print("  " + f"{n:>10}" + "".join(f"{r['goodput'] / n:18.2f}" for r in row) + f"{bound.rate(1):10.2f}")
-        plot_scan(scan, scan_policies, plan.fleet_sizes, bound.rate(1), out_dir / "goodput_vs_fleet_size.png")
 
         # 3. detail runs: per-tier latency at a common load; the autoscaled fleet through a phase change;
         #    the speed measurement; the calibration
@@ -394,7 +396,6 @@ def main(argv=None) -> None:
             print(f"  {d['policy']:16} {name:8} {_pct(ttft, 50):8.0f} / {_pct(ttft, 99):7.0f} "
                   f"{_pct(tpot, 50):8.1f} / {_pct(tpot, 99):7.1f} "
                   f"{t['attained']:6.1%} / {t['attained_mean_tpot']:6.1%} / {t['attained_max_gap']:6.1%}")
-    plot_latency(details, out_dir / "tier_latency.png")
 
     report["autoscaled"] = {k: v for k, v in auto.items() if k != "per_tier"}
     per_inst_s = auto["attained_total"] / auto["instance_seconds"]
@@ -403,7 +404,6 @@ def main(argv=None) -> None:
           f"2 warm idle, 30 s cold start): attainment {auto['attainment']:.1%} (after {plan.warmup_s:.0f} s), "
           f"{per_inst_s:.2f} attaining requests per instance-second held ({auto['instance_seconds']:.0f} "
           f"instance-s; {auto['promoted']:.1%} promoted); fluid bound {skewed_bound.rate(1):.2f} req/s per instance")
-    plot_phase_change(auto, [t.name for t in tiers], plan.autoscale_duration / 2, out_dir / "phase_change.png")
 
     report["speed"] = speed
     print(f"\nSpeed: {speed['trace_s']:.0f} s of {args.trace} as recorded ({speed['requests']} requests) at 64 "
@@ -421,9 +421,9 @@ def main(argv=None) -> None:
               f"{_pct(np.array(t['sim_ttft']) * 1000, 50):7.1f} ms; TPOT p50 live "
               f"{_pct(np.array(t['live_tpot']) * 1000, 50):6.2f} ms sim {_pct(np.array(t['sim_tpot']) * 1000, 50):6.2f} ms;"
               f" attained live {t['live_attained']:.0%} sim {t['sim_attained']:.0%}")
-    plot_calibration(calib, out_dir / "calibration.png")
     report["wall_s"] = time.perf_counter() - t_start
     (out_dir / "goodput.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    write_plots(report, out_dir)
     print(f"\nwrote {out_dir}/goodput.json and plots; total wall time {report['wall_s']:.0f} s")
 
 
@@ -443,6 +443,22 @@ def _json_default(o):
 
 
 # ---- plots ----------------------------------------------------------------------------------------------------
+def write_plots(report: dict, out_dir: Path) -> None:
+    """Every figure, from the report alone (so --replot can redraw them)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = report["plan"]
+    bound = FluidBound(tuple(TierCapacity(**c) for c in report["bound"]), tuple(report["bound_shares"]))
+    plot_attainment_vs_rate(report["comparison"], bound.rate(plan["fleet"]), plan["fleet"],
+                            out_dir / "attainment_vs_rate.png")
+    scan_policies = list(dict.fromkeys(s["policy"] for s in report["scan"]))
+    plot_scan(report["scan"], scan_policies, tuple(plan["fleet_sizes"]), bound.rate(1),
+              out_dir / "goodput_vs_fleet_size.png")
+    plot_latency(report["latency"], out_dir / "tier_latency.png")
+    plot_phase_change(report["autoscaled"], [t["name"] for t in report["tiers"]],
+                      plan["autoscale_duration"] / 2, out_dir / "phase_change.png")
+    plot_calibration(report["calibration"], out_dir / "calibration.png")
+
+
 def _plt():
     import matplotlib
 
@@ -542,7 +558,7 @@ def plot_calibration(calib: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6), squeeze=False)
     for j, name in enumerate(names):
         t = calib["tiers"][name]
-        for row, (a, b, label) in enumerate((("live_ttft", "sim_ttft", "TTFT"), ("live_tpot", "sim_tpot", "TPOT"))):
+        for row, (a, b, what) in enumerate((("live_ttft", "sim_ttft", "TTFT"), ("live_tpot", "sim_tpot", "TPOT"))):
             ax = axes[row][j]
             raw = "raw_ttft" if row == 0 else "raw_tpot"
             for key, style, label in ((a, "-", "engine (real time)"), (b, "--", "simulator + host time"),
@@ -550,7 +566,7 @@ def plot_calibration(calib: dict, path: Path) -> None:
                 v = np.sort(np.array(t[key]) * 1000)
                 if len(v):
                     ax.plot(v, np.arange(1, len(v) + 1) / len(v), ls=style, label=label)
-            ax.set_xlabel(f"{label} (ms, scaled), {name}")
+            ax.set_xlabel(f"{what} (ms, scaled), {name}")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"Engine vs simulator, one instance, latency model x{calib['time_scale']}: attainment "
                  f"{calib['live_attainment']:.1%} live, {calib['sim_attainment']:.1%} simulated with the measured "

@@ -55,7 +55,7 @@ class SimRequest:
     host_tier: str = ""  # the tier of that instance when placed (differs from `tier` when promoted)
     placed_at: float = math.nan
     token_times: list[float] | None = None  # every emit time, kept only when asked (tests, calibration)
-    tally: "MissTally | None" = None  # counted once, when a first token of it is late
+    tally: "MissTally | None" = None  # counted once, the first time one of its tokens is late
     deadline0: float = field(init=False)  # first-token deadline
     tpot_s: float = field(init=False)
 
