@@ -41,7 +41,8 @@ import numpy as np
 
 from cluster.autoscaler import ScalingLimits
 from cluster.emulation import emulated_latency_model
-from cluster.goodput import ATTAINMENT_TARGET, FluidBound, TierCapacity, fluid_bound, search_goodput
+from cluster.goodput import (ATTAINMENT_TARGET, FluidBound, TierCapacity, autoscaled_goodput, fluid_bound,
+                             search_goodput)
 from cluster.sim_ablations import AblationRouter
 from cluster.simulator import SimConfig, SimResult, Simulator
 from cluster.workload import DEFAULT_MIX, TierMix, WorkloadFactory, default_tiers, load_trace
@@ -398,7 +399,7 @@ def main(argv=None) -> None:
                   f"{t['attained']:6.1%} / {t['attained_mean_tpot']:6.1%} / {t['attained_max_gap']:6.1%}")
 
     report["autoscaled"] = {k: v for k, v in auto.items() if k != "per_tier"}
-    per_inst_s = auto["attained_total"] / auto["instance_seconds"]
+    per_inst_s = autoscaled_goodput(auto["attained_total"], auto["instance_seconds"])
     print(f"\nAutoscaled PolyServe, {auto_rate:.0f} req/s for {plan.autoscale_duration:.0f} s, tier mix {DEFAULT_MIX} "
           f"inverted at {plan.autoscale_duration / 2:.0f} s ({start_fleet} instances at the start, 2..{plan.autoscale_max}, "
           f"2 warm idle, 30 s cold start): attainment {auto['attainment']:.1%} (after {plan.warmup_s:.0f} s), "
@@ -422,7 +423,7 @@ def main(argv=None) -> None:
               f"{_pct(np.array(t['live_tpot']) * 1000, 50):6.2f} ms sim {_pct(np.array(t['sim_tpot']) * 1000, 50):6.2f} ms;"
               f" attained live {t['live_attained']:.0%} sim {t['sim_attained']:.0%}")
     report["wall_s"] = time.perf_counter() - t_start
-    (out_dir / "goodput.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    (out_dir / "goodput.json").write_text(json.dumps(_rounded(report), default=_json_default))
     write_plots(report, out_dir)
     print(f"\nwrote {out_dir}/goodput.json and plots; total wall time {report['wall_s']:.0f} s")
 
@@ -434,6 +435,17 @@ def _call(task):
 
 def _pct(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) if len(a) else math.nan
+
+
+def _rounded(o):
+    """Floats to 5 significant digits (the latency arrays are most of the file)."""
+    if isinstance(o, float):
+        return float(f"{o:.5g}")
+    if isinstance(o, dict):
+        return {k: _rounded(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_rounded(v) for v in o]
+    return o
 
 
 def _json_default(o):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from scheduler.instance_state import InstanceState, RequestSnapshot
+from scheduler.instance_state import InstanceState, RequestSnapshot, ResidentSummary
 from scheduler.slo import SLO
 
 
@@ -23,8 +23,8 @@ class InstanceStatus(enum.Enum):
 class RoutedRequest:
     """A request as the router knows it. The progress fields follow the host's step reports.
 
-    It has every field of `scheduler.instance_state.RequestSnapshot` under the same name, so an instance's residents
-    go into its InstanceState as they are: no copy per resident each time a report invalidates the snapshot."""
+    It has every field of `scheduler.instance_state.ResidentRequest` under the same name, so an instance's residents
+    go into its InstanceState and ResidentSummary as they are: no copy per resident."""
     request_id: str
     tier_index: int  # index into the router's TierSet: the tier whose queue and instances it belongs to
     tier: str  # its name: the key of the output-length mean it is charged
@@ -59,14 +59,23 @@ class InstanceView:
     iteration_end: float = 0.0  # predicted end of the iteration in flight
     num_blocks_used: int = 0  # as last reported
     state: InstanceState | None = None  # attainability snapshot; None when stale
+    # the attainability test's aggregates of `residents` (read live: the dict is only ever changed in place); the
+    # router adds and removes residents as it places and forgets them, and rebuilds it on step reports
+    summary: ResidentSummary = field(init=False)
+
+    def __post_init__(self):
+        self.summary = ResidentSummary(self.residents.values())
 
     def snapshot(self, tpot_ms: float) -> InstanceState:
         """The attainability test's view, held to `tpot_ms`; the router drops it whenever residents, their progress
         or the tier label change, so a cached one is never stale."""
         state = self.state
-        if state is None or state.tpot_ms != tpot_ms:
-            state = self.state = InstanceState(tuple(self.residents.values()),
-                                               self.kv_capacity_tokens, self.iteration_end, tpot_ms)
+        if state is None:
+            state = self.state = InstanceState(tuple(self.residents.values()), self.kv_capacity_tokens,
+                                               self.iteration_end, tpot_ms, self.summary)
+        elif state.tpot_ms != tpot_ms:
+            state = self.state = InstanceState(state.residents, self.kv_capacity_tokens, self.iteration_end, tpot_ms,
+                                               self.summary)
         return state
 
     def tightest_resident_tpot_ms(self) -> float:

@@ -43,6 +43,9 @@ Placement, policy "polyserve", for a request of tier k:
   3. scale up: an idle instance joins tier k (an empty one, or one whose residents all allow tier k's TPOT);
   4. else wait in tier k's queue (FIFO, bounded: past the bound QUEUE_FULL with a Retry-After estimate).
   Load = predicted iteration time of the instance's batch, every resident decoding at its current context.
+  The test reads an instance through its resident summary (InstanceView.summary), which the router keeps current as
+  it places requests, takes step reports and forgets requests: a scan costs O(log n) per instance of n residents
+  (plus the latency predictions), not a pass over them; a report pays that pass once.
   A request that waited until its first token can no longer be on time is judged as if it arrived now: still
   served, first token as soon as no one else is hurt.
 Scale down: when a tier's least-loaded instance holds no request of that tier, it returns to the idle pool.
@@ -189,6 +192,7 @@ class Router:
         view.residents.clear()
         view.num_own_tier = view.kv_tokens = 0
         view.state = None
+        view.summary.rebuild(self.output_lengths)
         self._log(now, "lost", None, instance_id, None)
         return lost
 
@@ -262,7 +266,10 @@ class Router:
         if view.residents.pop(request_id, None) is not None:
             if req.tier_index == view.tier:
                 view.num_own_tier -= 1
-            self._refresh(view)
+            view.summary.remove(req)
+            view.kv_tokens -= req.num_prompt_tokens + req.num_output_tokens
+            view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
+            view.state = None
         if view.tier is not None:
             self._maybe_release(view.tier, now)
 
@@ -303,17 +310,17 @@ class Router:
             view = self._baseline_choice()
             return None if view is None else (view, How.BASELINE)
         snap = req.snapshot(now if req.late else req.arrival)
-        check, tpots, members = self.checker.check, self._tier_tpot_ms, self.fleet.members
+        attainable, tpots, members = self.checker.attainable, self._tier_tpot_ms, self.fleet.members
         for tier in range(req.tier_index, -1, -1):  # own tier, then the tighter ones nearest first
             tpot = tpots[tier]
             for view in sorted(members[tier], key=_load, reverse=True):
-                if view.status is InstanceStatus.READY and check(view.snapshot(tpot), snap, now).ok:
+                if view.status is InstanceStatus.READY and attainable(view.snapshot(tpot), snap, now):
                     return view, How.OWN if tier == req.tier_index else How.PROMOTED
         if self.autoscaler is not None and not self.autoscaler.can_join(self.fleet, req.tier_index):
             return None
         tpot = tpots[req.tier_index]
         for view in sorted(self.fleet.idle, key=lambda v: len(v.residents)):  # empty ones first
-            if view.tightest_resident_tpot_ms() >= tpot and check(view.snapshot(tpot), snap, now).ok:
+            if view.tightest_resident_tpot_ms() >= tpot and attainable(view.snapshot(tpot), snap, now):
                 return view, How.SCALED_UP
         return None
 
@@ -344,6 +351,7 @@ class Router:
         req.instance_id = view.instance_id
         req.num_computed_tokens = req.num_output_tokens = 0
         view.residents[req.request_id] = req
+        view.summary.add(req)
         if req.tier_index == view.tier:
             view.num_own_tier += 1
         view.kv_tokens += req.num_prompt_tokens
@@ -380,7 +388,11 @@ class Router:
             self._log(now, "released", None, view.instance_id, tier)
 
     def _refresh(self, view: InstanceView) -> None:
-        view.kv_tokens = sum(r.num_prompt_tokens + r.num_output_tokens for r in view.residents.values())
+        """After residents' progress changed: their summary counted again here, off the path of the next
+        placement, which then reads it as it is."""
+        summary = view.summary
+        summary.rebuild(self.output_lengths)
+        view.kv_tokens = summary.kv_residents
         view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
         view.state = None
 

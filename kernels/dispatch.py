@@ -37,8 +37,8 @@ class Ops:
 
 REFERENCE = Ops("reference", reference.store_kvcache, reference.paged_attention, reference.rms_norm,
                 reference.fused_add_rms_norm, reference.rotary_embedding, reference.silu_and_mul)
-TORCH = Ops("torch", torch_native.store_kvcache, torch_native.paged_attention, reference.rms_norm,
-            reference.fused_add_rms_norm, torch_native.rotary_embedding, reference.silu_and_mul)
+TORCH = Ops("torch", torch_native.store_kvcache, torch_native.paged_attention, torch_native.rms_norm,
+            torch_native.fused_add_rms_norm, torch_native.rotary_embedding, torch_native.silu_and_mul)
 
 
 def _triton_ops(device_type: str) -> Ops:

@@ -18,7 +18,7 @@ class _Plan:
     decode_rows: torch.Tensor  # query rows of decode sequences
     decode_slots: torch.Tensor  # [Bd, Lmax] flat cache slots (padded with 0)
     decode_mask: torch.Tensor  # [Bd, 1, 1, Lmax] True where a key exists
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (q start, q end, slots [S], causal mask [L, S])
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (q start, q end, slots [S], mask [L, S])
 
 
 _last_plan: _Plan | None = None
@@ -43,7 +43,8 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int) -> _Plan:
             decode.append(i)
         elif q_len > 1:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)[:, None]
-            mask = torch.arange(seq_len, device=dev)[None, :] <= q_pos
+            # no cached prefix: plain causal, which lets SDPA take its fused kernel instead of a materialised mask
+            mask = None if q_len == seq_len else torch.arange(seq_len, device=dev)[None, :] <= q_pos
             prefills.append((starts[i], starts[i + 1], _slots(block_tables[i], seq_len, block_size), mask))
     width = max((lens[i] for i in decode), default=0)
     slots = torch.zeros(len(decode), width, dtype=torch.long, device=dev)
@@ -80,7 +81,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qp = q[start:end].transpose(0, 1)  # [Hq, L, D]
         k = k_flat[slots].transpose(0, 1)  # [Hkv, S, D]
         v = v_flat[slots].transpose(0, 1)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=gqa)
         out[start:end] = o.transpose(0, 1)
     return out
 
@@ -113,3 +115,18 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)  # torch's fused kernel accumulates in fp32
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

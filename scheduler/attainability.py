@@ -9,12 +9,16 @@ Checks, in this order; the first that fails names the rejection:
 - tpot: the batch simulated forward to its largest KV, r included, predicts an iteration within the TPOT (the
   instance's, or r's if tighter). Each request grows one token per iteration until it has produced its expected
   output (the tier's running mean, capped by its max_tokens; a resident is charged what REMAINS of it, at least one
-  token), then leaves. Between departures the KV grows, so the peak is just before one: the simulation visits
-  departure events only, O(n log n) for n residents.
+  token), then leaves. Between departures the KV grows, so the peak is just before one.
 - kv_capacity: that peak fits in the instance's KV pool.
 - prefill_continuity: the chunk the instance can afford in the worst coming iteration (every resident decoding,
   each grown by the iterations r's prefill takes, r's prompt already in the cache) still finishes r's prefill by its
   first-token deadline.
+
+Cost: the residents enter only through their `ResidentSummary` (scheduler/instance_state.py), which the router keeps
+current as requests come and go; from it a test is O(log n) for n residents plus a few dozen latency predictions
+(the binary searches of the chunk sizes; the one the decodes leave is cached per summary). A summary built afresh
+(a state not seen before, or after a step report) costs one pass over the residents.
 """
 from __future__ import annotations
 
@@ -69,46 +73,23 @@ class AttainabilityChecker:
 
     def check(self, instance: InstanceState, request: RequestSnapshot, now: float) -> Attainability:
         model, cap = self.model, self.max_prefill_chunk
-        expected: dict[str, int] = {}
-        means = self.output_lengths.mean
+        summary = instance.resident_summary()
+        summary.refresh(self.output_lengths)
         slo = request.slo
         start = now if now > instance.iteration_end else instance.iteration_end
         budget_s = min(instance.tpot_ms, slo.tpot_ms) / 1000.0
         first_deadline = request.arrival + slo.ttft_ms / 1000.0
-
-        # One pass over the residents: the decodes now, the prefill work queued ahead of r, and for the
-        # simulation each resident's KV now (full context, for queued prefills too) and remaining iterations.
-        num_decoding = kv_decoding = 0
-        num_ahead = work_ahead = 0
-        kv_lengths: list[int] = []
-        remaining: list[int] = []
-        for s in instance.residents:
-            out = s.num_output_tokens
-            tokens = s.num_prompt_tokens + out
-            if out and s.num_computed_tokens >= tokens - 1:
-                num_decoding += 1
-                kv_decoding += tokens
-            else:
-                s_slo = s.slo
-                if s.arrival + (s_slo.ttft_ms + out * s_slo.tpot_ms) / 1000.0 <= first_deadline:
-                    num_ahead += 1
-                    work_ahead += tokens - s.num_computed_tokens
-            tier = s.tier
-            e = expected.get(tier)
-            if e is None:
-                e = expected[tier] = math.ceil(means(tier))
-            left = (e if e < s.max_tokens else s.max_tokens) - out
-            kv_lengths.append(tokens)
-            remaining.append(left if left > 1 else 1)
-        num_residents = len(kv_lengths)
-        kv_residents = sum(kv_lengths)
+        num_decoding, kv_decoding = summary.num_decoding, summary.kv_decoding
+        num_residents, kv_residents = summary.num_residents, summary.kv_residents
+        num_ahead, work_ahead = summary.ahead(first_deadline)
 
         r_tokens = request.num_prompt_tokens + request.num_output_tokens
         work = work_ahead + r_tokens - request.num_computed_tokens
-        r_left = max(min(math.ceil(means(request.tier)), request.max_tokens) - request.num_output_tokens, 1)
+        r_left = max(min(math.ceil(self.output_lengths.mean(request.tier)), request.max_tokens)
+                     - request.num_output_tokens, 1)
 
         # ttft: chunked at what the current decodes' budget leaves (no decodes: no per-token budget, full chunks)
-        chunk = cap if num_decoding == 0 else largest_chunk(model, budget_s, num_decoding, kv_decoding, cap)
+        chunk = summary.decode_chunk(model, budget_s, cap)
         if chunk == 0:
             return Attainability(False, Rejection.TTFT, math.inf, math.inf, 0, 0, math.inf, 0, 0, 0, math.inf)
         iterations = -(-work // chunk)
@@ -120,9 +101,7 @@ class AttainabilityChecker:
         second = first + model.predict(0, num_decoding + num_ahead + 1, kv_then)
 
         # steady state: r joins with its KV shifted so that it holds r_tokens when its first token is out
-        kv_lengths.append(max(r_tokens - iterations, 0))
-        remaining.append(iterations + r_left)
-        peak_kv, peak_batch = _peak_kv(kv_lengths, remaining)
+        peak_kv, peak_batch = summary.peak(iterations + r_left, max(r_tokens - iterations, 0))
         steady_s = model.predict(0, peak_batch, peak_kv)
 
         # continuity: the worst coming iteration holds every resident decoding, grown over r's prefill
@@ -150,26 +129,41 @@ class AttainabilityChecker:
         return Attainability(reason is None, reason, first, second, chunk, iterations, steady_s, peak_kv,
                              peak_batch, worst_chunk, worst_end)
 
-
-def _peak_kv(kv_lengths: list[int], remaining: list[int]) -> tuple[int, int]:
-    """Largest KV a batch reaches, and its batch size then, when request i holds kv_lengths[i] + t tokens at
-    iteration t < remaining[i] and is gone after: the KV grows between departures, so the peak is at the last
-    iteration before one (t = remaining[i] - 1)."""
-    order = sorted(range(len(remaining)), key=remaining.__getitem__)
-    peak = batch = 0
-    kv_alive = num_alive = 0
-    last = None
-    # latest departure first: the alive set then only gains members
-    for i in reversed(order):
-        r = remaining[i]
-        if r != last and num_alive:
-            kv = kv_alive + (last - 1) * num_alive
-            if kv > peak:
-                peak, batch = kv, num_alive
-        kv_alive += kv_lengths[i]
-        num_alive += 1
-        last = r
-    kv = kv_alive + (last - 1) * num_alive
-    if kv > peak:
-        peak, batch = kv, num_alive
-    return peak, batch
+    def attainable(self, instance: InstanceState, request: RequestSnapshot, now: float) -> bool:
+        """`check(instance, request, now).ok`, sooner: the figures stop at the first condition that fails, the
+        cheapest first (the router's scan over a tier asks only this)."""
+        model, cap = self.model, self.max_prefill_chunk
+        summary = instance.resident_summary()
+        summary.refresh(self.output_lengths)
+        slo = request.slo
+        budget_s = min(instance.tpot_ms, slo.tpot_ms) / 1000.0
+        chunk = summary.decode_chunk(model, budget_s, cap)
+        if chunk == 0:
+            return False
+        start = now if now > instance.iteration_end else instance.iteration_end
+        first_deadline = request.arrival + slo.ttft_ms / 1000.0
+        num_decoding, kv_decoding = summary.num_decoding, summary.kv_decoding
+        num_ahead, work_ahead = summary.ahead(first_deadline)
+        r_tokens = request.num_prompt_tokens + request.num_output_tokens
+        work = work_ahead + r_tokens - request.num_computed_tokens
+        iterations = -(-work // chunk)
+        piece = chunk if chunk < work else work
+        first = start + iterations * model.predict(piece, num_decoding, kv_decoding + piece)
+        if first > first_deadline:
+            return False
+        kv_then = kv_decoding + num_decoding * iterations + work_ahead + r_tokens
+        if first + model.predict(0, num_decoding + num_ahead + 1, kv_then) > first_deadline + slo.tpot_ms / 1000.0:
+            return False
+        r_left = max(min(math.ceil(self.output_lengths.mean(request.tier)), request.max_tokens)
+                     - request.num_output_tokens, 1)
+        peak_kv, peak_batch = summary.peak(iterations + r_left, max(r_tokens - iterations, 0))
+        if peak_kv > instance.kv_capacity_tokens or model.predict(0, peak_batch, peak_kv) > budget_s:
+            return False
+        num_residents = summary.num_residents
+        kv_worst = summary.kv_residents + num_residents * iterations + max(r_tokens - chunk, 0)
+        worst_chunk = cap if num_residents == 0 else largest_chunk(model, budget_s, num_residents, kv_worst, cap)
+        if worst_chunk == 0:
+            return False
+        worst_piece = worst_chunk if worst_chunk < work else work
+        return not start + -(-work // worst_chunk) * model.predict(worst_piece, num_residents,
+                                                                   kv_worst + worst_piece) > first_deadline

@@ -5,6 +5,8 @@ the roofline model (Llama-3.1-8B on H200) holds three such requests, a fourth wo
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from cluster.autoscaler import Autoscaler, ScalePlan, ScalingLimits
@@ -12,8 +14,9 @@ from cluster.emulation import emulated_latency_model
 from cluster.fleet import InstanceStatus, RoutedRequest
 from cluster.protocol import Resident
 from cluster.router import How, InstanceReport, Outcome, Router
-from scheduler.attainability import Rejection
+from scheduler.attainability import AttainabilityChecker, Rejection
 from scheduler.tiers import Tier, TierSet
+from test_scheduler_attainability import reference_check
 
 MODEL = emulated_latency_model()
 TIERS = TierSet([Tier("tight", 20, 500), Tier("std", 50, 1000), Tier("batch", 200, 5000)])
@@ -276,3 +279,94 @@ def test_bad_arguments_are_named():
     router.submit(request("dup", STD), 0.0)
     with pytest.raises(ValueError, match="already placed"):
         router.submit(request("dup", STD), 0.0)
+
+
+# ---- the summary-based test places exactly as the one-pass test it replaced -----------------------------------------
+class ReferenceChecker(AttainabilityChecker):
+    """The attainability test as one pass over each instance's residents (tests/test_scheduler_attainability.py)."""
+
+    def check(self, instance, request, now):
+        return reference_check(self, instance, request, now)
+
+    def attainable(self, instance, request, now):
+        return reference_check(self, instance, request, now).ok
+
+
+def test_placements_equal_those_of_the_reference_test_through_random_events():
+    """Two routers, one on the summary-kept test and one on the reference, driven by the same random placements,
+    step reports, finishes (moving the output-length means), losses and retries: every decision is the same, and
+    each instance's summary stays the one its snapshots hand the test."""
+    rng = random.Random(3)
+    fast = make_router(queue_limit=8, max_instances=8)
+    ref = make_router(queue_limit=8, max_instances=8)
+    ref.checker = ReferenceChecker(MODEL, ref.output_lengths, 2048)
+    routers = (fast, ref)
+    now, serial = 0.0, 0
+    ids = [f"i{k}" for k in range(5)]
+    for r in routers:
+        ready(r, *ids, capacity=12_000)
+    outcomes: dict[str, int] = {}
+
+    def both(method, *args):
+        a, b = (getattr(r, method)(*args) for r in routers)
+        if method in ("retry_queued", "on_ready"):
+            a = [(p.request.request_id, p.instance_id, p.how) for p in a]
+            b = [(p.request.request_id, p.instance_id, p.how) for p in b]
+        assert a == b, (method, args)
+        return a
+
+    for _ in range(1500):
+        now += rng.uniform(0, 0.03)
+        op = rng.random()
+        if op < 0.35:
+            tier = rng.randrange(len(TIERS))
+            prompt, max_tokens = rng.randint(20, 2500), rng.randint(5, 400)
+            arrival = now - rng.choice((0.0, 0.0, rng.uniform(0, 2)))
+            d = [r.submit(RoutedRequest(f"q{serial}", tier, TIERS[tier].name, TIERS[tier].slo, arrival, prompt,
+                                        max_tokens), now) for r in routers]
+            assert d[0] == d[1]
+            outcomes[d[0].how.value if d[0].how else d[0].outcome.value] = \
+                outcomes.get(d[0].how.value if d[0].how else d[0].outcome.value, 0) + 1
+            serial += 1
+        elif op < 0.6:  # a step report from one instance: prefills advance by a chunk, decodes by a token or two
+            iid = rng.choice(ids)
+            view = fast.fleet.instances.get(iid)
+            if view is None or view.status is not InstanceStatus.READY:
+                continue
+            progress = []
+            for req in view.residents.values():
+                out, computed = req.num_output_tokens, req.num_computed_tokens
+                if computed < req.num_prompt_tokens + out - 1 or not out:
+                    computed = min(req.num_prompt_tokens, computed + rng.randint(0, 1500))
+                    out = 1 if computed == req.num_prompt_tokens and rng.random() < 0.7 else out
+                    computed = min(computed, req.num_prompt_tokens + out - 1) if out else computed
+                else:
+                    steps = rng.randint(1, 3)
+                    out, computed = out + steps, computed + steps
+                progress.append(Resident(req.request_id, req.num_prompt_tokens, computed, out))
+            both("on_report", iid, InstanceReport(now, 0, progress), now)
+        elif op < 0.93:
+            placed = [rid for rid, req in fast.requests.items() if req.instance_id is not None]
+            if placed:
+                rid = rng.choice(placed)
+                both("on_finished", rid, rng.randint(0, 500), now, rng.random() < 0.8)
+                both("retry_queued", now)
+        elif op < 0.96:
+            iid = rng.choice(ids)
+            if fast.fleet.instances[iid].status is InstanceStatus.READY and len(fast.fleet.instances) > 2:
+                lost = [router.on_lost(iid, now) for router in routers]
+                assert [r.request_id for r in lost[0]] == [r.request_id for r in lost[1]]
+                for a, b in zip(*lost):  # back in, as the service readmits them
+                    assert fast.submit(a, now, readmit=True) == ref.submit(b, now, readmit=True)
+                for r in routers:
+                    r.remove_instance(iid, now)
+                    r.add_instance(iid, now)
+                both("on_ready", iid, 12_000, now)
+        else:
+            both("retry_queued", now)
+        for view in fast.fleet.instances.values():
+            for tpot in {TIERS[k].tpot_ms for k in range(len(TIERS))}:
+                assert view.snapshot(tpot).resident_summary() is view.summary
+    assert [(i, sorted(v.residents)) for i, v in sorted(fast.fleet.instances.items())] == \
+        [(i, sorted(v.residents)) for i, v in sorted(ref.fleet.instances.items())]
+    assert all(outcomes.get(k) for k in ("own", "promoted", "scaled_up", "queued")), outcomes

@@ -1,11 +1,17 @@
-"""The attainability test: each rejection reason and acceptance, on hand-computed figures."""
+"""The attainability test: each rejection reason and acceptance, on hand-computed figures; and the summary-based
+test against the straightforward one-pass-over-the-residents computation it replaced (`reference_check`), on
+many random instances, summaries kept current by add/remove/rebuild included."""
+import math
 import random
 
 import pytest
 
 from scheduler import (SLO, AttainabilityChecker, InstanceState, OutputLengthTracker, Rejection,
                        RequestSnapshot)
-from scheduler.attainability import _peak_kv
+from scheduler.attainability import Attainability
+from scheduler.chunking import largest_chunk
+from scheduler.instance_state import ResidentSummary
+from scheduler.roofline import H200_SXM, LLAMA_3_1_8B, RooflineLatencyModel
 
 
 class Linear:
@@ -190,3 +196,315 @@ def test_snapshot_and_state_validate():
         InstanceState(residents=(), kv_capacity_tokens=0, iteration_end=0, tpot_ms=50)
     with pytest.raises(ValueError, match="max_prefill_chunk"):
         AttainabilityChecker(MODEL, OutputLengthTracker(100), max_prefill_chunk=0)
+
+
+def test_summary_peak_equals_the_departure_scan():
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.randint(0, 30)
+        kv = [rng.randint(1, 400) for _ in range(n)]
+        left = [rng.choice((1, 1, rng.randint(1, 8), rng.randint(1, 90))) for _ in range(n)]
+        # out 0, max_tokens = the remaining length (under the mean), prompt = the KV: (KV, remaining) as drawn
+        residents = [RequestSnapshot(0.0, k, m, SLO_50, "t") for k, m in zip(kv, left)]
+        summary = ResidentSummary(residents)
+        summary.refresh(OutputLengthTracker(default_mean=1000))
+        for _ in range(5):
+            r_left, r_kv = rng.randint(1, 100), rng.randint(0, 300)
+            assert summary.peak(r_left, r_kv) == _peak_kv(kv + [r_kv], left + [r_left])
+    # small figures: many ties between departures, where the batch size at the peak depends on which one wins
+    for _ in range(3000):
+        n = rng.randint(0, 5)
+        kv = [rng.randint(1, 6) for _ in range(n)]
+        left = [rng.randint(1, 6) for _ in range(n)]
+        summary = ResidentSummary([RequestSnapshot(0.0, k, m, SLO_50, "t") for k, m in zip(kv, left)])
+        summary.refresh(OutputLengthTracker(default_mean=1000))
+        r_left, r_kv = rng.randint(1, 8), rng.randint(0, 6)
+        assert summary.peak(r_left, r_kv) == _peak_kv(kv + [r_kv], left + [r_left])
+
+
+# ---- the reference: the test as one pass over the residents, as it was before ResidentSummary -----------------------
+def reference_check(checker: AttainabilityChecker, instance: InstanceState, request: RequestSnapshot,
+                    now: float) -> Attainability:
+    model, cap = checker.model, checker.max_prefill_chunk
+    expected: dict[str, int] = {}
+    means = checker.output_lengths.mean
+    slo = request.slo
+    start = now if now > instance.iteration_end else instance.iteration_end
+    budget_s = min(instance.tpot_ms, slo.tpot_ms) / 1000.0
+    first_deadline = request.arrival + slo.ttft_ms / 1000.0
+    num_decoding = kv_decoding = 0
+    num_ahead = work_ahead = 0
+    kv_lengths: list[int] = []
+    remaining: list[int] = []
+    for s in instance.residents:
+        out = s.num_output_tokens
+        tokens = s.num_prompt_tokens + out
+        if out and s.num_computed_tokens >= tokens - 1:
+            num_decoding += 1
+            kv_decoding += tokens
+        else:
+            s_slo = s.slo
+            if s.arrival + (s_slo.ttft_ms + out * s_slo.tpot_ms) / 1000.0 <= first_deadline:
+                num_ahead += 1
+                work_ahead += tokens - s.num_computed_tokens
+        tier = s.tier
+        e = expected.get(tier)
+        if e is None:
+            e = expected[tier] = math.ceil(means(tier))
+        left = (e if e < s.max_tokens else s.max_tokens) - out
+        kv_lengths.append(tokens)
+        remaining.append(left if left > 1 else 1)
+    num_residents = len(kv_lengths)
+    kv_residents = sum(kv_lengths)
+    r_tokens = request.num_prompt_tokens + request.num_output_tokens
+    work = work_ahead + r_tokens - request.num_computed_tokens
+    r_left = max(min(math.ceil(means(request.tier)), request.max_tokens) - request.num_output_tokens, 1)
+    chunk = cap if num_decoding == 0 else largest_chunk(model, budget_s, num_decoding, kv_decoding, cap)
+    if chunk == 0:
+        return Attainability(False, Rejection.TTFT, math.inf, math.inf, 0, 0, math.inf, 0, 0, 0, math.inf)
+    iterations = -(-work // chunk)
+    piece = chunk if chunk < work else work
+    first = start + iterations * model.predict(piece, num_decoding, kv_decoding + piece)
+    kv_then = kv_decoding + num_decoding * iterations + work_ahead + r_tokens
+    second = first + model.predict(0, num_decoding + num_ahead + 1, kv_then)
+    kv_lengths.append(max(r_tokens - iterations, 0))
+    remaining.append(iterations + r_left)
+    peak_kv, peak_batch = _peak_kv(kv_lengths, remaining)
+    steady_s = model.predict(0, peak_batch, peak_kv)
+    kv_worst = kv_residents + num_residents * iterations + max(r_tokens - chunk, 0)
+    worst_chunk = cap if num_residents == 0 else largest_chunk(model, budget_s, num_residents, kv_worst, cap)
+    if worst_chunk == 0:
+        worst_end = math.inf
+    else:
+        worst_piece = worst_chunk if worst_chunk < work else work
+        worst_end = start + -(-work // worst_chunk) * model.predict(worst_piece, num_residents,
+                                                                    kv_worst + worst_piece)
+    if first > first_deadline:
+        reason = Rejection.TTFT
+    elif second > first_deadline + slo.tpot_ms / 1000.0:
+        reason = Rejection.SECOND_TOKEN
+    elif steady_s > budget_s:
+        reason = Rejection.TPOT
+    elif peak_kv > instance.kv_capacity_tokens:
+        reason = Rejection.KV_CAPACITY
+    elif worst_end > first_deadline:
+        reason = Rejection.PREFILL_CONTINUITY
+    else:
+        reason = None
+    return Attainability(reason is None, reason, first, second, chunk, iterations, steady_s, peak_kv, peak_batch,
+                         worst_chunk, worst_end)
+
+
+def _peak_kv(kv_lengths: list[int], remaining: list[int]) -> tuple[int, int]:
+    """Largest KV a batch reaches, and its batch size then, when request i holds kv_lengths[i] + t tokens at
+    iteration t < remaining[i] and is gone after: the KV grows between departures, so the peak is at the last
+    iteration before one (t = remaining[i] - 1)."""
+    order = sorted(range(len(remaining)), key=remaining.__getitem__)
+    peak = batch = 0
+    kv_alive = num_alive = 0
+    last = None
+    # latest departure first: the alive set then only gains members
+    for i in reversed(order):
+        r = remaining[i]
+        if r != last and num_alive:
+            kv = kv_alive + (last - 1) * num_alive
+            if kv > peak:
+                peak, batch = kv, num_alive
+        kv_alive += kv_lengths[i]
+        num_alive += 1
+        last = r
+    kv = kv_alive + (last - 1) * num_alive
+    if kv > peak:
+        peak, batch = kv, num_alive
+    return peak, batch
+
+
+# ---- random instances: the summary-based test against the reference ------------------------------------------------
+class Resident:
+    """A mutable resident, as the router keeps them (progress changes in place)."""
+    __slots__ = ("arrival", "num_prompt_tokens", "max_tokens", "slo", "tier", "num_computed_tokens",
+                 "num_output_tokens")
+
+    def __init__(self, arrival, prompt, max_tokens, slo, tier, computed, out):
+        self.arrival, self.num_prompt_tokens, self.max_tokens = arrival, prompt, max_tokens
+        self.slo, self.tier = slo, tier
+        self.num_computed_tokens, self.num_output_tokens = computed, out
+
+
+TIER_NAMES = ("gold", "silver", "bronze")
+SLOS = [SLO(ttft_ms=t, tpot_ms=p) for t in (30, 200, 1000, 4000) for p in (8, 20, 50, 150)]
+
+
+def random_resident(rng: random.Random, now: float) -> Resident:
+    prompt = rng.choice((rng.randint(1, 64), rng.randint(1, 4000)))
+    max_tokens = rng.choice((rng.randint(1, 30), rng.randint(1, 700)))
+    # a few shared arrival times: equal next-token deadlines among the queued ones
+    arrival = rng.choice((now - 0.25, now - 1.0, now - rng.uniform(0, 3)))
+    kind = rng.random()
+    if kind < 0.55:  # decoding (some past their tier's mean, some at their cap)
+        out = rng.randint(1, max_tokens)
+        computed = prompt + out - rng.choice((1, 1, 0))
+    elif kind < 0.85:  # queued or mid-prefill
+        out, computed = 0, rng.choice((0, 0, rng.randint(0, prompt)))
+    else:  # preempted after some output: recomputing its context
+        out = rng.randint(1, max_tokens)
+        computed = rng.randint(0, prompt + out - 2) if prompt + out >= 2 else 0
+    return Resident(arrival, prompt, max_tokens, rng.choice(SLOS), rng.choice(TIER_NAMES), computed, out)
+
+
+def random_candidate(rng: random.Random, now: float) -> RequestSnapshot:
+    prompt = rng.choice((rng.randint(1, 100), rng.randint(1, 6000)))
+    out = 0 if rng.random() < 0.85 else rng.randint(1, 50)
+    computed = 0 if rng.random() < 0.8 else rng.randint(0, prompt + out)
+    return RequestSnapshot(arrival=now - rng.choice((0.0, 0.0, rng.uniform(0, 2))), num_prompt_tokens=prompt,
+                           max_tokens=rng.randint(1, 800), slo=rng.choice(SLOS), tier=rng.choice(TIER_NAMES),
+                           num_computed_tokens=computed, num_output_tokens=out)
+
+
+class OddBatchesSlow(Linear):
+    """Not monotone: a decode-only iteration of an odd number of sequences pays 30 ms more (the test must agree
+    with the reference for any model, and this one lets each condition decide alone)."""
+
+    def predict(self, p, d, k):
+        return super().predict(p, d, k) + (0.03 if p == 0 and d % 2 else 0.0)
+
+
+def random_checker(rng: random.Random) -> AttainabilityChecker:
+    linear = Linear(rng.choice((0.0, 0.004, 0.02)), rng.choice((0.0, 1e-5, 4e-5)), rng.choice((0.0, 2e-4, 1e-3)),
+                    rng.choice((0.0, 1e-7, 1e-6)))
+    model = rng.choice((RooflineLatencyModel(H200_SXM, LLAMA_3_1_8B), OddBatchesSlow(0.004, 1e-5, 2e-4, 1e-7), linear))
+    lengths = OutputLengthTracker(default_mean=rng.uniform(1, 300))
+    for _ in range(rng.randint(0, 6)):
+        lengths.observe(rng.choice(TIER_NAMES), rng.randint(0, 500))
+    return AttainabilityChecker(model, lengths, max_prefill_chunk=rng.choice((16, 512, 2048, 8192)))
+
+
+def assert_same_verdicts(checker, state, candidates, now, reasons):
+    for request in candidates:
+        expected = reference_check(checker, state, request, now)
+        assert checker.check(state, request, now) == expected
+        assert checker.attainable(state, request, now) is expected.ok
+        reasons[expected.reason] += 1
+
+
+def assert_same_verdicts_at_the_bounds(checker, state, request, now, reasons):
+    """The same instance moved to each bound of the test: KV pool at the peak and one token under; the iteration
+    in flight ending so that the first token, the second, or the worst prefill end lands 0.5 ms either side of its
+    deadline."""
+    expected = reference_check(checker, state, request, now)
+    variants = [(max(expected.peak_kv_tokens + d, 1), state.iteration_end) for d in (0, -1)]
+    start = max(now, state.iteration_end)
+    deadline = request.arrival + request.slo.ttft_ms / 1000.0
+    for time, bound in ((expected.first_token_time, deadline),
+                        (expected.second_token_time, deadline + request.slo.tpot_ms / 1000.0),
+                        (expected.worst_prefill_end, deadline)):
+        for margin in (-0.0005, 0.0005):
+            end = start + (bound - time) + margin
+            if math.isfinite(end) and end >= now:
+                variants.append((state.kv_capacity_tokens, end))
+    for capacity, end in variants:
+        moved = InstanceState(state.residents, capacity, end, state.tpot_ms, state.summary)
+        assert_same_verdicts(checker, moved, [request], now, reasons)
+
+
+def test_summary_based_test_equals_the_reference_on_random_instances():
+    rng = random.Random(2024)
+    reasons = {reason: 0 for reason in (None, *Rejection)}
+    for _ in range(400):
+        checker = random_checker(rng)
+        now = 100.0
+        residents = tuple(random_resident(rng, now) for _ in range(rng.choice((0, 1, rng.randint(2, 12),
+                                                                                rng.randint(2, 120)))))
+        kv = sum(r.num_prompt_tokens + r.num_output_tokens for r in residents)
+        state = InstanceState(residents, max(1, int(kv * rng.uniform(0.8, 2.5)) + rng.randint(0, 6000)),
+                              now + rng.choice((-0.01, 0.0, 0.02)), rng.choice((8, 20, 50, 150)))
+        # several candidates on one state: the cached summary, index and chunks are reused
+        candidates = [random_candidate(rng, now) for _ in range(6)]
+        assert_same_verdicts(checker, state, candidates, now, reasons)
+        for request in candidates[:3]:
+            assert_same_verdicts_at_the_bounds(checker, state, request, now, reasons)
+    assert all(reasons.values()), reasons  # every verdict was exercised
+
+
+def test_summary_kept_current_by_its_owner_equals_the_reference():
+    rng = random.Random(7)
+    reasons = {reason: 0 for reason in (None, *Rejection)}
+    for _ in range(12):
+        checker = random_checker(rng)
+        lengths = checker.output_lengths
+        live: dict[int, Resident] = {}
+        summary = ResidentSummary(live.values())
+        serial = 0
+        now = 100.0
+        stale: list[tuple[InstanceState, float]] = []
+        for _ in range(150):
+            op = rng.random()
+            if op < 0.4 or not live:  # a placement: a fresh request, as the router adds them
+                r = random_resident(rng, now)
+                if rng.random() < 0.8:
+                    r.num_output_tokens = r.num_computed_tokens = 0
+                live[serial] = r
+                serial += 1
+                summary.add(r)
+            elif op < 0.65:  # a request leaves
+                key = rng.choice(list(live))
+                summary.remove(live.pop(key))
+            elif op < 0.75:  # a step report: progress of some residents
+                for r in rng.sample(list(live.values()), k=min(len(live), 3)):
+                    r.num_output_tokens += 1
+                    r.num_computed_tokens = r.num_prompt_tokens + r.num_output_tokens - 1
+                summary.rebuild(lengths)
+            elif op < 0.85:  # a finish moves a tier's mean: remaining lengths move with it
+                lengths.observe(rng.choice(TIER_NAMES), rng.randint(0, 600))
+            now += rng.uniform(0, 0.05)
+            kv = sum(r.num_prompt_tokens + r.num_output_tokens for r in live.values())
+            state = InstanceState(tuple(live.values()), max(1, int(kv * rng.uniform(0.9, 1.6)) + 2000), now,
+                                  rng.choice((20, 50, 150)), summary)
+            assert_same_verdicts(checker, state, [random_candidate(rng, now) for _ in range(3)], now, reasons)
+            stale.append((state, now))
+        # states taken before later changes still answer for the residents they hold
+        for state, then in rng.sample(stale, k=10):
+            assert_same_verdicts(checker, state, [random_candidate(rng, then)], then, reasons)
+        assert summary.num_residents == len(live)
+    assert all(reasons.values()), reasons
+
+
+def test_a_state_without_a_summary_builds_its_own_and_follows_the_checker_that_reads_it():
+    state = instance(BASE)
+    first = checker().check(state, candidate(), NOW)
+    summary = state.resident_summary()
+    assert (summary.num_residents, summary.num_decoding, summary.kv_decoding) == (2, 2, 2020)
+    # other trackers, models and chunk caps on the same state: each reads it as the reference would
+    others = [checker(mean=20), checker(model=SLOW_DECODE), checker(model=SLOW_DECODE, mean=20),
+              AttainabilityChecker(MODEL, OutputLengthTracker(100), max_prefill_chunk=1000)]
+    for other in others + [checker()]:
+        for r in (candidate(), candidate(slo=SLO(ttft_ms=60, tpot_ms=25))):
+            assert other.check(state, r, NOW) == reference_check(other, state, r, NOW)
+    assert checker().check(state, candidate(), NOW) == first
+    assert state.resident_summary() is summary  # read, never replaced: no change of its residents since
+
+
+def test_add_and_remove_keep_the_summary_without_a_recount():
+    rng = random.Random(9)
+    lengths = OutputLengthTracker(default_mean=150)
+    for _ in range(40):
+        now = 50.0
+        live = [random_resident(rng, now) for _ in range(rng.randint(0, 40))]
+        summary = ResidentSummary(live)
+        summary.refresh(lengths)
+        for _ in range(30):
+            if live and rng.random() < 0.4:
+                summary.remove(live.pop(rng.randrange(len(live))))
+            else:
+                live.append(random_resident(rng, now))
+                summary.add(live[-1])
+        # read without `refresh`: what add and remove kept, against a summary counted afresh
+        fresh = ResidentSummary(list(live))
+        fresh.refresh(lengths)
+        for name in ("num_residents", "kv_residents", "num_decoding", "kv_decoding"):
+            assert getattr(summary, name) == getattr(fresh, name)
+        for deadline in (now - 2, now - 0.25, now, now + 1, now + 10):
+            assert summary.ahead(deadline) == fresh.ahead(deadline)
+        for _ in range(10):
+            r_left, r_kv = rng.randint(1, 800), rng.randint(0, 3000)
+            assert summary.peak(r_left, r_kv) == fresh.peak(r_left, r_kv)
