@@ -315,7 +315,7 @@ def test_placements_equal_those_of_the_reference_test_through_random_events():
         assert a == b, (method, args)
         return a
 
-    for _ in range(1500):
+    for _ in range(3000):
         now += rng.uniform(0, 0.03)
         op = rng.random()
         if op < 0.35:

@@ -410,7 +410,7 @@ def assert_same_verdicts_at_the_bounds(checker, state, request, now, reasons):
 def test_summary_based_test_equals_the_reference_on_random_instances():
     rng = random.Random(2024)
     reasons = {reason: 0 for reason in (None, *Rejection)}
-    for _ in range(400):
+    for _ in range(1000):
         checker = random_checker(rng)
         now = 100.0
         residents = tuple(random_resident(rng, now) for _ in range(rng.choice((0, 1, rng.randint(2, 12),
