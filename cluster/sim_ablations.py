@@ -32,17 +32,17 @@ class AblationRouter(Router):
 
     def _place(self, req: RoutedRequest, now: float) -> tuple[InstanceView, How] | None:
         snap = req.snapshot(now if req.late else req.arrival)
-        check, tpots, members = self.checker.check, self._tier_tpot_ms, self.fleet.members
+        attainable, tpots, members = self.checker.attainable, self._tier_tpot_ms, self.fleet.members
         for tier in self._tier_order(req.tier_index):
             tpot = tpots[tier]
             for view in sorted(members[tier], key=_load, reverse=self.gradient):
-                if view.status is InstanceStatus.READY and check(view.snapshot(tpot), snap, now).ok:
+                if view.status is InstanceStatus.READY and attainable(view.snapshot(tpot), snap, now):
                     return view, How.OWN if tier == req.tier_index else How.PROMOTED
         if self.autoscaler is not None and not self.autoscaler.can_join(self.fleet, req.tier_index):
             return None
         tpot = tpots[req.tier_index]
         for view in sorted(self.fleet.idle, key=lambda v: len(v.residents)):
-            if view.tightest_resident_tpot_ms() >= tpot and check(view.snapshot(tpot), snap, now).ok:
+            if view.tightest_resident_tpot_ms() >= tpot and attainable(view.snapshot(tpot), snap, now):
                 return view, How.SCALED_UP
         return None
 
