@@ -21,7 +21,7 @@ from engine.executor import StepBatch
 from scheduler import OnlineLatencyModel, ProfileTable
 
 PREFILL = (0, 64, 256, 512)
-DECODES = (0, 4, 16, 32)
+DECODES = (1, 4, 16, 32)  # no empty step on the grid: a 0 there would drag every small batch down
 KV = (512, 4096, 8192)
 
 
@@ -55,7 +55,7 @@ def time_shape(llm: LLM, prefill: int, decodes: int, kv: int, repeats: int) -> f
 
 def measure_profile(llm: LLM, repeats: int) -> ProfileTable:
     llm.engine.executor.kv_cache.zero_()  # no denormals or NaNs in the timed math
-    grid = [[[time_shape(llm, p, d, k, repeats) if (p or d) else 0.0 for k in KV] for d in DECODES]
+    grid = [[[time_shape(llm, p, d, k, repeats) for k in KV] for d in DECODES]
             for p in PREFILL]
     return ProfileTable(PREFILL, DECODES, KV, grid, model=Path(llm.engine.executor.cfg.path).name,
                         device=f"{llm.config.device} ({torch.get_num_threads()} threads)",
