@@ -21,7 +21,7 @@ from scheduler.instance_state import InstanceState, RequestSnapshot
 from scheduler.latency_model import LatencyModel
 from scheduler.output_length import OutputLengthTracker
 from scheduler.slo import SLO
-from scheduler.types import BatchPolicy, KvState, StepStats
+from scheduler.types import BatchPolicy, KvState, StepStats, is_decode
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,7 @@ class Engine:
         new = np.fromiter((n for _, n in items), np.int64, len(reqs))
         meta = self.blocks.build_batch(np.fromiter((r.seq_id for r in reqs), np.int64, len(reqs)), computed, new)
         sampled = [reqs[i] for i in meta.sample_rows.tolist()]
-        num_decode = sum(1 for r, n in items if n == 1 and r.num_output_tokens and r.num_computed_tokens + 1 ==
-                         r.num_tokens)
+        num_decode = sum(1 for r, n in items if is_decode(r, n))
         num_prefill = int(new.sum()) - num_decode
         num_kv = int(meta.seq_lens.sum())
         batch = StepBatch(meta, [r.params for r in sampled], [r.generator for r in sampled],
@@ -191,7 +190,7 @@ class Engine:
 
     def predicted_iteration_time(self) -> float:
         """Load, as the router ranks engines: the predicted time of a step of the decodes running now."""
-        decodes = [r for r in self.running if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1]
+        decodes = [r for r in self.running if is_decode(r, 1)]
         return self.latency_model.predict(0, len(decodes), sum(r.num_tokens for r in decodes))
 
     def _admit(self, scheduled) -> list[tuple[Request, int]]:
