@@ -72,10 +72,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[2]
     if len(plan.decode_rows):
-        qd = q[plan.decode_rows].unsqueeze(2)  # [Bd, Hq, 1, D]
+        decode_only = not plan.prefills and len(plan.decode_rows) == q.shape[0]  # q is all decode rows, in order
+        qd = (q if decode_only else q[plan.decode_rows]).unsqueeze(2)  # [Bd, Hq, 1, D]
         k = k_flat[plan.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
         v = v_flat[plan.decode_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa)
+        if decode_only:
+            return o.squeeze(2)
         out[plan.decode_rows] = o.squeeze(2)
     for start, end, slots, mask in plan.prefills:
         qp = q[start:end].transpose(0, 1)  # [Hq, L, D]
