@@ -74,20 +74,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if len(plan.decode_rows):
         decode_only = not plan.prefills and len(plan.decode_rows) == q.shape[0]  # q is all decode rows, in order
         qd = (q if decode_only else q[plan.decode_rows]).unsqueeze(2)  # [Bd, Hq, 1, D]
-        k = k_flat[plan.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-        v = v_flat[plan.decode_slots].transpose(1, 2)
+        k = _gather(k_flat, plan.decode_slots).transpose(1, 2)  # [Bd, Hkv, L, D]
+        v = _gather(v_flat, plan.decode_slots).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa)
         if decode_only:
             return o.squeeze(2)
         out[plan.decode_rows] = o.squeeze(2)
     for start, end, slots, mask in plan.prefills:
         qp = q[start:end].transpose(0, 1)  # [Hq, L, D]
-        k = k_flat[slots].transpose(0, 1)  # [Hkv, S, D]
-        v = v_flat[slots].transpose(0, 1)
+        k = _gather(k_flat, slots).transpose(0, 1)  # [Hkv, S, D]
+        v = _gather(v_flat, slots).transpose(0, 1)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                            enable_gqa=gqa)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """flat[slots] for an index of any shape: index_select copies whole rows, where advanced indexing goes
+    element by element (several times slower on the CPU)."""
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
