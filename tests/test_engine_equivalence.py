@@ -96,3 +96,21 @@ def test_block_sizes(llama_tiny, block_size):
     outs = LLM(folder, block_size=block_size, num_kv_blocks=2048 // block_size).generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+
+
+def test_bf16_cpu_prepacked_projections_change_nothing(tiny_model, monkeypatch):
+    """bf16 on the CPU runs every projection through oneDNN-prepacked weights: same tokens, same logits."""
+    import engine.model_runner as model_runner
+
+    folder, hf = tiny_model
+    prompts = random_prompts(hf.config.vocab_size, [1, 19, 50], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+    llm = LLM(folder, dtype="bfloat16", num_kv_blocks=64)
+    if torch.backends.mkldnn.is_available():
+        assert "forward" in vars(llm.engine.executor.model.layers[0].mlp.gate_up_proj)  # packing took place
+    packed = llm.generate(prompts, params)
+    monkeypatch.setattr(model_runner, "pack_linears_for_onednn", lambda model: None)
+    plain = LLM(folder, dtype="bfloat16", num_kv_blocks=64).generate(prompts, params)
+    for a, b in zip(packed, plain):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=2e-2)  # bf16: a different accumulation order is allowed
