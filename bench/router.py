@@ -8,8 +8,8 @@ tiers, filled by the router itself with a mixed-tier load in virtual time until 
 `submit` of a fresh request (timed; its `on_finished` undoes it), a random tier each time. "warm": no instance
 reported since the previous decision (only the one that took its request changed, by that one resident); "after
 reports": every instance reported a step since (the live case when steps outpace arrivals): the router counted each
-one's resident summary again as its report came, so the decision finds every snapshot new and no prefill chunk
-cached. The reports are not in the decision's time; their median is printed beside it.
+one's resident summary again as its report came, and took there the snapshot and prefill chunk the next scan reads.
+The reports are not in the decision's time; their median is printed beside it.
 
 Throughput: one emulated engine process (`--time-scale`), `--requests` requests of 16 prompt tokens and
 `--max-tokens` outputs at `--concurrency`, first through a bare protocol client, then through RouterService on the

@@ -45,7 +45,9 @@ Placement, policy "polyserve", for a request of tier k:
   Load = predicted iteration time of the instance's batch, every resident decoding at its current context.
   The test reads an instance through its resident summary (InstanceView.summary), which the router keeps current as
   it places requests, takes step reports and forgets requests: a scan costs O(log n) per instance of n residents
-  (plus the latency predictions), not a pass over them; a report pays that pass once.
+  (plus the latency predictions), not a pass over them; a report pays that pass once, and takes the snapshot and
+  the decodes' prefill chunk the next scan of the instance's tier reads, so a scan right after reports costs what a
+  warm one does.
   A request that waited until its first token can no longer be on time is judged as if it arrived now: still
   served, first token as soon as no one else is hurt.
 Scale down: when a tier's least-loaded instance holds no request of that tier, it returns to the idle pool.
@@ -133,7 +135,7 @@ class Router:
         if queue_limit < 0:
             raise ValueError(f"queue_limit must be non-negative, got {queue_limit}")
         self.tiers, self.model, self.policy, self.autoscaler = tiers, latency_model, policy, autoscaler
-        self.queue_limit = queue_limit
+        self.queue_limit, self.max_prefill_chunk = queue_limit, max_prefill_chunk
         self.output_lengths = OutputLengthTracker(expected_output_tokens)
         self.checker = AttainabilityChecker(latency_model, self.output_lengths, max_prefill_chunk)
         self.fleet = Fleet(len(tiers))
@@ -191,7 +193,7 @@ class Router:
             del self.requests[req.request_id]
         view.residents.clear()
         view.num_own_tier = view.kv_tokens = 0
-        view.state = None
+        view.state = view.resident_tuple = None
         view.summary.rebuild(self.output_lengths)
         self._log(now, "lost", None, instance_id, None)
         return lost
@@ -253,6 +255,8 @@ class Router:
         view.num_blocks_used = report.num_blocks_used
         self._refresh(view)
         view.iteration_end = report.iteration_end + view.load  # the next step started as the reported one ended
+        if view.tier is not None:  # taken here, off the path of the next scan of its tier, which reads it as it is
+            view.snapshot(self._tier_tpot_ms[view.tier])
 
     def on_finished(self, request_id: str, num_output_tokens: int, now: float, completed: bool = True) -> None:
         req = self.requests.pop(request_id, None)
@@ -269,7 +273,7 @@ class Router:
             view.summary.remove(req)
             view.kv_tokens -= req.num_prompt_tokens + req.num_output_tokens
             view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
-            view.state = None
+            view.state = view.resident_tuple = None
         if view.tier is not None:
             self._maybe_release(view.tier, now)
 
@@ -356,7 +360,7 @@ class Router:
             view.num_own_tier += 1
         view.kv_tokens += req.num_prompt_tokens
         view.load = self.model.predict(0, len(view.residents), view.kv_tokens)
-        view.state = None
+        view.state = view.resident_tuple = None
         self.requests[req.request_id] = req
         self._log(now, how.value, req.request_id, view.instance_id, req.tier_index)
 
@@ -389,9 +393,12 @@ class Router:
 
     def _refresh(self, view: InstanceView) -> None:
         """After residents' progress changed: their summary counted again here, off the path of the next
-        placement, which then reads it as it is."""
+        placement, which then reads it as it is, and the prefill chunk its decodes leave at its tier's TPOT (a
+        search of a dozen predictions, once its decodes' KV moved) found here too, where the scan would ask it."""
         summary = view.summary
         summary.rebuild(self.output_lengths)
+        if view.tier is not None:
+            summary.decode_chunk(self.model, self._tier_tpot_ms[view.tier] / 1000.0, self.max_prefill_chunk)
         view.kv_tokens = summary.kv_residents
         view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
         view.state = None

@@ -100,9 +100,11 @@ class ResidentSummary:
             self._count(r, -1)
 
     def rebuild(self, lengths: OutputLengthTracker) -> None:
-        """Counts everything again from `residents`, remaining lengths from `lengths`' current means."""
+        """Counts everything again from `residents`, remaining lengths from `lengths`' current means, and the
+        figures `peak` needs for a newcomer that outlasts every resident (the owner's pass, not the next test's)."""
         self.version += 1
         self._recount(lengths)
+        self._top = self._longest_and_best()
 
     # ---- the test's side ---------------------------------------------------------------------------------------
     def refresh(self, lengths: OutputLengthTracker) -> None:

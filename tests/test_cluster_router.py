@@ -15,6 +15,7 @@ from cluster.fleet import InstanceStatus, RoutedRequest
 from cluster.protocol import Resident
 from cluster.router import How, InstanceReport, Outcome, Router
 from scheduler.attainability import AttainabilityChecker, Rejection
+from scheduler.chunking import largest_chunk
 from scheduler.tiers import Tier, TierSet
 from test_scheduler_attainability import reference_check
 
@@ -220,6 +221,36 @@ def test_reports_update_progress_load_and_iteration_end():
     assert view.kv_tokens == 2050 and view.load > before
     assert view.iteration_end == pytest.approx(2.0 + view.load)
     assert view.snapshot(50).residents[0].num_output_tokens == 50
+
+
+def test_a_report_prepares_the_next_scan_and_joins_and_leaves_still_show(monkeypatch):
+    router = make_router()
+    ready(router, "a")
+    reqs = fill(router, "a", STD, 2)
+    view = router.fleet["a"]
+    held = view.snapshot(50).residents
+    router.on_report("a", InstanceReport(1.0, 0, [Resident(r.request_id, 1000, 1001, 1) for r in reqs]), 1.0)
+    state = view.state
+    # taken at the report, same residents without a copy, the new step's end, the decodes' chunk already found
+    assert state is not None and state.tpot_ms == 50 and state.residents is held
+    assert state.iteration_end == view.iteration_end and view.snapshot(50) is state
+    summary = view.summary
+    budget = TIERS[STD].tpot_ms / 1000.0
+    calls = []
+    original = MODEL.predict
+    monkeypatch.setattr(MODEL, "predict", lambda *a: calls.append(a) or original(*a))
+    cap = router.max_prefill_chunk
+    chunk = summary.decode_chunk(MODEL, budget, cap)
+    assert not calls and summary.num_decoding == 2
+    assert 0 < chunk == largest_chunk(MODEL, budget, 2, summary.kv_decoding, cap)
+    r = request("x", STD, 1.0)
+    assert router.checker.check(view.snapshot(50), r.snapshot(1.0), 1.0) == \
+        reference_check(router.checker, view.snapshot(50), r.snapshot(1.0), 1.0)
+    # a join or a leave: the next snapshot holds the residents as they are now
+    router.on_finished(reqs[0].request_id, 1, 1.1)
+    assert [x.request_id for x in view.snapshot(50).residents] == [reqs[1].request_id]
+    router.on_placed(r, "a", 1.2)
+    assert [x.request_id for x in view.snapshot(50).residents] == [reqs[1].request_id, "x"]
 
 
 def test_baselines_ignore_tiers():
