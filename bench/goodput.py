@@ -16,7 +16,7 @@ Policies (router, engine batch policy):
                                                                                 tightest TPOT (static)
   mixed-deadline     least-loaded                                               PolyServePolicy (deadline
                                                                                 order, dynamic chunking)
-  polyserve-no-gradient / -no-promotion / -eager-promotion: the ablations (cluster/sim_ablations.py)
+  polyserve-no-gradient / -no-promotion / -eager-promotion: the ablations (the Router's gradient/promotion switches)
 
 Prints (and writes to <out>/goodput.json): the fluid bound per tier; goodput of each policy at --fleet instances
 (bisection on the rate, pooled over --seeds, >= 90 % attaining in the measured window); per-instance goodput over
@@ -43,7 +43,6 @@ from cluster.autoscaler import ScalingLimits
 from cluster.emulation import emulated_latency_model
 from cluster.goodput import (ATTAINMENT_TARGET, FluidBound, TierCapacity, autoscaled_goodput, fluid_bound,
                              search_goodput)
-from cluster.sim_ablations import AblationRouter
 from cluster.simulator import SimConfig, SimResult, Simulator
 from cluster.workload import DEFAULT_MIX, TierMix, WorkloadFactory, default_tiers, load_trace
 from scheduler.chunking import largest_chunk
@@ -106,8 +105,7 @@ def make_simulator(policy: str, num_instances: int, model, tiers, co_budget: int
                 "polyserve-eager-promotion": dict(promotion="eager")}.get(policy)
     if ablation is None:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-    return Simulator(SimConfig(num_instances=num_instances, **config), tiers, model, router_class=AblationRouter,
-                     router_kwargs=ablation)
+    return Simulator(SimConfig(num_instances=num_instances, **config), tiers, model, router_kwargs=ablation)
 
 
 # ---- one simulation (runs in a worker) ------------------------------------------------------------------------

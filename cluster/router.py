@@ -71,6 +71,7 @@ from scheduler.output_length import OutputLengthTracker
 from scheduler.tiers import TierSet
 
 POLICIES = ("polyserve", "random", "round-robin", "least-loaded")
+PROMOTIONS = ("lazy", "none", "eager")
 
 
 class Outcome(enum.Enum):
@@ -129,9 +130,16 @@ class InstanceReport:
 class Router:
     def __init__(self, tiers: TierSet, latency_model: LatencyModel, *, policy: str = "polyserve",
                  autoscaler: Autoscaler | None = None, queue_limit: int = 256, max_prefill_chunk: int = 2048,
-                 expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000):
+                 expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000,
+                 gradient: bool = True, promotion: str = "lazy"):
+        """`gradient` and `promotion` are PolyServe's ablations: gradient=False tries a tier's least-loaded
+        instance first instead of its busiest; promotion "none" never places on a tighter tier, "eager" tries
+        the tighter tiers (nearest first) before the request's own."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if promotion not in PROMOTIONS:
+            raise ValueError(f"promotion must be one of {', '.join(PROMOTIONS)}, got {promotion!r}")
+        self.gradient, self.promotion = gradient, promotion
         if queue_limit < 0:
             raise ValueError(f"queue_limit must be non-negative, got {queue_limit}")
         self.tiers, self.model, self.policy, self.autoscaler = tiers, latency_model, policy, autoscaler
@@ -315,9 +323,9 @@ class Router:
             return None if view is None else (view, How.BASELINE)
         snap = req.snapshot(now if req.late else req.arrival)
         attainable, tpots, members = self.checker.attainable, self._tier_tpot_ms, self.fleet.members
-        for tier in range(req.tier_index, -1, -1):  # own tier, then the tighter ones nearest first
+        for tier in self._tier_order(req.tier_index):
             tpot = tpots[tier]
-            for view in sorted(members[tier], key=_load, reverse=True):
+            for view in sorted(members[tier], key=_load, reverse=self.gradient):
                 if view.status is InstanceStatus.READY and attainable(view.snapshot(tpot), snap, now):
                     return view, How.OWN if tier == req.tier_index else How.PROMOTED
         if self.autoscaler is not None and not self.autoscaler.can_join(self.fleet, req.tier_index):
@@ -327,6 +335,13 @@ class Router:
             if view.tightest_resident_tpot_ms() >= tpot and attainable(view.snapshot(tpot), snap, now):
                 return view, How.SCALED_UP
         return None
+
+    def _tier_order(self, tier: int) -> list[int]:
+        """Lazy promotion: own tier, then the tighter ones nearest first."""
+        tighter = list(range(tier - 1, -1, -1))
+        if self.promotion == "none":
+            return [tier]
+        return tighter + [tier] if self.promotion == "eager" else [tier] + tighter
 
     def _baseline_choice(self) -> InstanceView | None:
         serving = [v for v in self.fleet.instances.values() if v.status is InstanceStatus.READY]

@@ -151,14 +151,14 @@ class SimResult:
 
 class Simulator:
     def __init__(self, config: SimConfig, tiers, model: LatencyModel,
-                 policy_factory: Callable[[], BatchPolicy] | None = None, router_class: type[Router] = Router,
-                 router_kwargs: dict | None = None, sample_s: float = 1.0):
-        """`policy_factory` (one batch policy per instance) defaults to what `config` names; `router_class` and
-        `router_kwargs` build a variant of the router (the ablations do)."""
+                 policy_factory: Callable[[], BatchPolicy] | None = None, router_kwargs: dict | None = None,
+                 sample_s: float = 1.0):
+        """`policy_factory` (one batch policy per instance) defaults to what `config` names; `router_kwargs` reach
+        the Router (the ablations' gradient and promotion switches)."""
         self.config, self.tiers, self.model = config, tiers, model
         default_slo = tiers[len(tiers) - 1].slo  # as cluster/serve.py: requests without an SLO get the loosest
         self.policy_factory = policy_factory or (lambda: make_batch_policy(config, model, default_slo))
-        self.router_class, self.router_kwargs = router_class, router_kwargs or {}
+        self.router_kwargs = router_kwargs or {}
         self.sample_s = sample_s
         self.instances: dict[str, SimInstance] = {}
         self.router: Router | None = None
@@ -167,7 +167,7 @@ class Simulator:
     def _build_router(self, expected_output: float) -> Router:
         cfg = self.config
         autoscaler = Autoscaler(cfg.autoscale) if cfg.autoscale is not None else None
-        return self.router_class(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
+        return Router(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
                                  queue_limit=cfg.queue_limit, max_prefill_chunk=cfg.max_prefill_chunk,
                                  expected_output_tokens=expected_output, seed=cfg.seed, **self.router_kwargs)
 

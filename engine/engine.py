@@ -60,6 +60,7 @@ class Engine:
         self.executor, self.policy, self.tokenizer = executor, policy, tokenizer
         # The latency model learns from every step (if it can) and predicts for the policy and the admission test.
         self.latency_model, self.default_slo = latency_model, default_slo
+        self._model_learns = hasattr(latency_model, "observe")
         self.output_lengths = OutputLengthTracker(default_mean=min(256, max_model_len))
         self.attainability = AttainabilityChecker(latency_model, self.output_lengths, max_prefill_chunk)
         self.iteration_end = 0.0  # predicted end of the step in flight
@@ -172,7 +173,7 @@ class Engine:
                           len(self.waiting), len(items))
         self.step_stats.append(stats)
         self.policy.observe(stats)
-        if hasattr(self.latency_model, "observe"):
+        if self._model_learns:
             self.latency_model.observe(stats)
         return outputs
 

@@ -48,6 +48,8 @@ class OnlineLatencyModel:
         self._data_a = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
         self._data_b = [0.0] * NUM_FEATURES
         self._coef: list[float] | None = None  # unscaled; None: data changed since the last fit
+        # The engine and a policy holding the same model both pass each step on: a step counts once.
+        self._last_stats: StepStats | None = None
 
     def _features(self, p: float, d: float, k: float) -> list[float]:
         s = self._scale
@@ -63,8 +65,11 @@ class OnlineLatencyModel:
                 row[j] += wxi * x[j]
 
     def observe(self, stats: StepStats) -> None:
+        if stats is self._last_stats:
+            return
         if not stats.duration >= 0:
             raise ValueError(f"step duration must be non-negative, got {stats.duration}")
+        self._last_stats = stats
         g = self.forgetting
         if g != 1.0:
             for row in self._data_a:

@@ -92,6 +92,25 @@ def test_promotion_only_when_the_own_tier_refuses_nearest_tighter_first():
     assert router.counts["promoted"] == 3
 
 
+def test_ablation_switches_change_only_their_ingredient():
+    def placed(**switches):
+        router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=16,
+                                                                           idle_pool=0)), **switches)
+        ready(router, "t0", "b-busy", "b-light")
+        fill(router, "t0", TIGHT, 1)
+        fill(router, "b-busy", BATCH, 2)
+        fill(router, "b-light", BATCH, 1)
+        d = router.submit(request("x", BATCH), 0.0)
+        return d.instance_id, d.how
+
+    assert placed() == ("b-busy", How.OWN)  # the busiest own-tier instance that can attain
+    assert placed(gradient=False) == ("b-light", How.OWN)
+    assert placed(promotion="eager") == ("t0", How.PROMOTED)  # tighter tiers first
+    assert placed(promotion="none") == ("b-busy", How.OWN)
+    with pytest.raises(ValueError, match="promotion"):
+        Router(TIERS, MODEL, promotion="sometimes")
+
+
 def test_promotion_is_judged_at_the_host_tier_tpot():
     # 100-token requests decoding on the host: four predict 3.59 ms, five 3.60 ms, over the host's 3.6 ms TPOT
     tiers = TierSet([Tier("host", 3.6, 500), Tier("std", 50, 1000)])
