@@ -6,10 +6,12 @@ straight to one engine.
 Placement: a fleet of `--instances` H200s (emulated Llama-3.1-8B, roofline latency model) split over the default
 tiers, filled by the router itself with a mixed-tier load in virtual time until requests start to queue; then
 `submit` of a fresh request (timed; its `on_finished` undoes it), a random tier each time. "warm": no instance
-reported since the previous decision (only the one that took its request changed, by that one resident); "after
-reports": every instance reported a step since (the live case when steps outpace arrivals): the router counted each
-one's resident summary again as its report came, and took there the snapshot and prefill chunk the next scan reads.
-The reports are not in the decision's time; their median is printed beside it.
+reported since the previous decision (only the one that took its request changed, by that one resident); "live":
+the instances report in turn at the fleet's own pace, each once per predicted iteration (its load) while requests
+arrive at the fill rate (640/s); "after reports": every instance reported a step since (the bound where steps far
+outpace arrivals; the reports touch every resident of the fleet, so the decision then runs on a cold CPU cache). A
+report counts the instance's resident summary again and takes there the snapshot and prefill chunk the next scan
+reads. The reports are not in the decision's time; their median is printed beside it.
 
 Throughput: one emulated engine process (`--time-scale`), `--requests` requests of 16 prompt tokens and
 `--max-tokens` outputs at `--concurrency`, first through a bare protocol client, then through RouterService on the
@@ -40,6 +42,7 @@ from engine.serve import DEFAULT_TIERS, parse_tiers
 
 
 # ---- placement --------------------------------------------------------------------------------------------------
+FILL_BURST, FILL_INTERVAL_S = 32, 0.05  # arrivals while the fleet fills: 640 requests/s of virtual time
 class _CountingChecker:
     """The router's checker, counting calls (how many instances a decision examined)."""
 
@@ -65,10 +68,11 @@ class _Progress:
         self.request_id, self.num_computed_tokens, self.num_output_tokens = request_id, computed, out
 
 
-def _report_all(router: Router, now: float, rng: random.Random, times: list[float] | None = None) -> None:
-    """Every instance reports a step: each resident decoding, some tokens further along. `times` collects the
-    microseconds each `on_report` took."""
-    for view in router.fleet.instances.values():
+def _report_all(router: Router, now: float, rng: random.Random, times: list[float] | None = None,
+                views=None) -> None:
+    """Every instance (or each of `views`) reports a step: each resident decoding, some tokens further along.
+    `times` collects the microseconds each `on_report` took."""
+    for view in router.fleet.instances.values() if views is None else views:
         progress = []
         for r in view.residents.values():
             out = min(r.max_tokens - 1, r.num_output_tokens + rng.randrange(1, 4))
@@ -100,9 +104,9 @@ def bench_placement(num_instances: int, tiers_spec: str, decisions: int, seed: i
     # requests start to queue
     now = 0.0
     while not router.waiting_tiers() and now < 60:
-        for _ in range(32):
+        for _ in range(FILL_BURST):
             router.submit(make(now), now)
-        now += 0.05
+        now += FILL_INTERVAL_S
         _report_all(router, now, rng)
     for q in router.queues:
         for req in list(q):
@@ -118,11 +122,22 @@ def bench_placement(num_instances: int, tiers_spec: str, decisions: int, seed: i
         views = router.fleet.instances.values()
         figures[load] = {"residents_per_instance": statistics.mean(len(v.residents) for v in views),
                          "tier_sizes": [len(m) for m in router.fleet.members], "idle": len(router.fleet.idle)}
-        for mode in ("warm", "after_reports"):
+        # live: each instance reports once per predicted iteration (its load) while requests arrive at the fill
+        # rate, so about this many reports come between two decisions
+        views = list(router.fleet.instances.values())
+        reports_per_decision = sum(1.0 / v.load for v in views if v.load > 0) * FILL_INTERVAL_S / FILL_BURST
+        figures[load]["live_reports_per_decision"] = reports_per_decision
+        next_reporter, owed = 0, 0.0
+        for mode in ("warm", "live", "after_reports"):
             times, checks, outcomes, report_times = [], [], {o: 0 for o in Outcome}, []
             for _ in range(decisions):
                 if mode == "after_reports":
                     _report_all(router, now, rng, report_times)
+                elif mode == "live":
+                    owed += reports_per_decision
+                    reporters = [views[(next_reporter + i) % len(views)] for i in range(int(owed))]  # round robin
+                    next_reporter, owed = next_reporter + len(reporters), owed - len(reporters)
+                    _report_all(router, now, rng, report_times, reporters)
                 req = make(now)
                 counter.calls = 0
                 start = time.perf_counter_ns()
@@ -248,8 +263,8 @@ def main(argv=None) -> None:
     for load in ("saturated", "half", "eighth"):
         f = place[load]
         print(f"  {load}: tiers {f['tier_sizes']} + {f['idle']} idle, {f['residents_per_instance']:.0f} residents "
-              f"per instance")
-        for mode in ("warm", "after_reports"):
+              f"per instance; live: {f['live_reports_per_decision']:.1f} reports per decision")
+        for mode in ("warm", "live", "after_reports"):
             m = f[mode]
             reports = "" if m["report_median_us"] is None else \
                 f"  (on_report, untimed above: median {m['report_median_us']:.1f} us)"

@@ -17,6 +17,14 @@ class ScaledLatencyModel:
         if not scale > 0:
             raise ValueError(f"time scale must be positive, got {scale}")
         self.base, self.scale = base, scale
+        within = getattr(base, "chunk_within", None)
+        if scale == 1.0:  # no wrapper call on the router's hot path
+            self.predict = base.predict
+            if within is not None:
+                self.chunk_within = within
+        elif within is not None:
+            self.chunk_within = lambda budget_s, *batch: within(budget_s / scale, *batch)
+
 
     def predict(self, num_prefill_tokens: int, num_decode_seqs: int, num_kv_tokens: int) -> float:
         return self.scale * self.base.predict(num_prefill_tokens, num_decode_seqs, num_kv_tokens)

@@ -131,13 +131,15 @@ class AttainabilityChecker:
 
     def attainable(self, instance: InstanceState, request: RequestSnapshot, now: float) -> bool:
         """`check(instance, request, now).ok`, sooner: the figures stop at the first condition that fails, the
-        cheapest first (the router's scan over a tier asks only this)."""
-        model, cap = self.model, self.max_prefill_chunk
+        cheapest first (the router's scan over a tier asks only this, and most instances of a busy fleet fail the
+        first-token condition: it costs no latency prediction when r's prefill spans whole chunks)."""
         summary = instance.resident_summary()
-        summary.refresh(self.output_lengths)
-        slo = request.slo
-        budget_s = min(instance.tpot_ms, slo.tpot_ms) / 1000.0
-        chunk = summary.decode_chunk(model, budget_s, cap)
+        lengths = self.output_lengths
+        summary.refresh(lengths)
+        model, cap, slo = self.model, self.max_prefill_chunk, request.slo
+        tpot_ms = slo.tpot_ms if slo.tpot_ms < instance.tpot_ms else instance.tpot_ms
+        budget_s = tpot_ms / 1000.0
+        chunk, chunk_s = summary.decode_chunk_step(model, budget_s, cap)
         if chunk == 0:
             return False
         start = now if now > instance.iteration_end else instance.iteration_end
@@ -147,20 +149,25 @@ class AttainabilityChecker:
         r_tokens = request.num_prompt_tokens + request.num_output_tokens
         work = work_ahead + r_tokens - request.num_computed_tokens
         iterations = -(-work // chunk)
-        piece = chunk if chunk < work else work
-        first = start + iterations * model.predict(piece, num_decoding, kv_decoding + piece)
+        first = start + iterations * (chunk_s if work >= chunk else model.predict(work, num_decoding,
+                                                                                 kv_decoding + work))
         if first > first_deadline:
+            return False
+        r_kv = r_tokens - iterations if r_tokens > iterations else 0
+        num_residents, kv_residents = summary.num_residents, summary.kv_residents
+        if kv_residents + r_kv > instance.kv_capacity_tokens:  # what the batch holds as r's first token is out
             return False
         kv_then = kv_decoding + num_decoding * iterations + work_ahead + r_tokens
         if first + model.predict(0, num_decoding + num_ahead + 1, kv_then) > first_deadline + slo.tpot_ms / 1000.0:
             return False
-        r_left = max(min(math.ceil(self.output_lengths.mean(request.tier)), request.max_tokens)
-                     - request.num_output_tokens, 1)
-        peak_kv, peak_batch = summary.peak(iterations + r_left, max(r_tokens - iterations, 0))
-        if peak_kv > instance.kv_capacity_tokens or model.predict(0, peak_batch, peak_kv) > budget_s:
-            return False
-        num_residents = summary.num_residents
-        kv_worst = summary.kv_residents + num_residents * iterations + max(r_tokens - chunk, 0)
+        r_left = max(min(math.ceil(lengths.mean(request.tier)), request.max_tokens) - request.num_output_tokens, 1)
+        capacity = instance.kv_capacity_tokens
+        bound = summary.peak_bound(iterations + r_left, r_kv)
+        if bound is None or bound[0] > capacity or model.predict(0, bound[1], bound[0]) > budget_s:
+            peak_kv, peak_batch = summary.peak(iterations + r_left, r_kv)
+            if peak_kv > capacity or model.predict(0, peak_batch, peak_kv) > budget_s:
+                return False
+        kv_worst = kv_residents + num_residents * iterations + max(r_tokens - chunk, 0)
         worst_chunk = cap if num_residents == 0 else largest_chunk(model, budget_s, num_residents, kv_worst, cap)
         if worst_chunk == 0:
             return False

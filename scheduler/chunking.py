@@ -12,11 +12,24 @@ def largest_chunk(model: LatencyModel, budget_s: float, num_decode_seqs: int, nu
     A chunk of c prompt tokens adds c to the context the batch attends over; `num_kv_tokens` holds the rest (the
     decodes' contexts, the chunk's cached prefix) and `num_prefill_tokens` what the batch already holds of other
     prefills. Binary search: exact for models that grow with every input (the three shipped ones do); for any
-    other model the answer still fits the budget.
+    other model the answer still fits the budget. A model with `chunk_within` (the root of its prediction in c,
+    scheduler/roofline.py) is searched from that root instead, a step or two in place of a dozen predictions;
+    the root is only where the search starts, so the answer is the same.
     """
     if cap <= 0:
         return 0
     predict = model.predict
+    guess = getattr(model, "chunk_within", None)
+    if guess is not None:  # a model that can solve for the chunk: a step or two from its root to the exact answer
+        c = min(int(guess(budget_s, num_prefill_tokens, num_decode_seqs, num_kv_tokens)), cap)
+        if c > 0 and predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) > budget_s:
+            c -= 1
+            while c > 0 and predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) > budget_s:
+                c -= 1
+            return c
+        while c < cap and predict(num_prefill_tokens + c + 1, num_decode_seqs, num_kv_tokens + c + 1) <= budget_s:
+            c += 1
+        return c
     if predict(num_prefill_tokens + cap, num_decode_seqs, num_kv_tokens + cap) <= budget_s:
         return cap
     lo, hi = 0, cap  # predict at lo fits (or lo == 0), at hi does not

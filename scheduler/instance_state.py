@@ -66,7 +66,7 @@ class ResidentSummary:
     - residents by remaining expected output (tier mean rounded up, capped by max_tokens, less the output so
       far, at least 1): per remaining length, the count and the KV, from which the steady-state KV peak with one
       more request follows (`peak`: O(1) or O(log n), after one pass over the lengths present once they changed);
-    - the prefill chunk the decodes leave, per time budget (the latency model is taken to be fixed while the
+    - the prefill chunk the decodes leave, per time budget, and the time of an iteration with it (the latency model is taken to be fixed while the
       summary lives: the router's is; the engine takes a new state for every test).
 
     Whoever changes the residents keeps it current: `add` after one joined, `remove` after one left (its fields as
@@ -77,7 +77,7 @@ class ResidentSummary:
     no longer describes its residents.
     """
     __slots__ = ("residents", "version", "num_residents", "kv_residents", "num_decoding", "kv_decoding",
-                 "_lengths", "_expected", "_wait_keys", "_wait_work", "_counts", "_kvs", "_top", "_index",
+                 "_lengths", "_expected", "_wait_keys", "_wait_work", "_counts", "_kvs", "_top", "_bound", "_index",
                  "_chunk_key", "_chunks")
 
     def __init__(self, residents: Collection[ResidentRequest]):
@@ -86,7 +86,7 @@ class ResidentSummary:
         self.num_residents = self.kv_residents = self.num_decoding = self.kv_decoding = 0
         self._lengths: OutputLengthTracker | None = None  # None: not built yet
         self._chunk_key: tuple | None = None
-        self._chunks: dict[float, int] = {}
+        self._chunks: dict[float, tuple[int, float]] = {}
 
     # ---- the owner's side --------------------------------------------------------------------------------------
     def add(self, r: ResidentRequest) -> None:
@@ -104,7 +104,7 @@ class ResidentSummary:
         figures `peak` needs for a newcomer that outlasts every resident (the owner's pass, not the next test's)."""
         self.version += 1
         self._recount(lengths)
-        self._top = self._longest_and_best()
+        self._set_top()
 
     # ---- the test's side ---------------------------------------------------------------------------------------
     def refresh(self, lengths: OutputLengthTracker) -> None:
@@ -122,14 +122,19 @@ class ResidentSummary:
 
     def decode_chunk(self, model: LatencyModel, budget_s: float, cap: int) -> int:
         """Largest prefill chunk beside the decodes within `budget_s` (`largest_chunk`; cap with no decode)."""
-        if self.num_decoding == 0:
-            return cap
+        return self.decode_chunk_step(model, budget_s, cap)[0]
+
+    def decode_chunk_step(self, model: LatencyModel, budget_s: float, cap: int) -> tuple[int, float]:
+        """`decode_chunk` and the predicted time of an iteration of the decodes with a whole such chunk (cached
+        with it: a test whose prefill spans several chunks needs no prediction of its own for them)."""
         if self._chunk_key != (model, cap):
             self._chunk_key, self._chunks = (model, cap), {}
-        chunk = self._chunks.get(budget_s)
-        if chunk is None:
-            chunk = self._chunks[budget_s] = largest_chunk(model, budget_s, self.num_decoding, self.kv_decoding, cap)
-        return chunk
+        step = self._chunks.get(budget_s)
+        if step is None:
+            num_decoding, kv_decoding = self.num_decoding, self.kv_decoding
+            chunk = cap if num_decoding == 0 else largest_chunk(model, budget_s, num_decoding, kv_decoding, cap)
+            step = self._chunks[budget_s] = (chunk, model.predict(chunk, num_decoding, kv_decoding + chunk))
+        return step
 
     def peak(self, remaining: int, kv: int) -> tuple[int, int]:
         """Largest KV the batch reaches with one more request that holds kv + t tokens at iteration t < remaining,
@@ -141,15 +146,10 @@ class ResidentSummary:
         departure at v is S(v) for v > remaining, S(remaining) + kv + (remaining - 1) with the request in, and
         S(v) + kv + (v - 1) for v < remaining: a prefix maximum of S and a suffix maximum of S(v) + v - 1, both
         over the lengths present, plus one term."""
-        lengths = self._lengths
-        means = lengths.mean
-        for tier, e in self._expected.items():
-            if math.ceil(means(tier)) != e:
-                self._recount(lengths)
-                break
+        self._follow_means()
         top = self._top
         if top is None:
-            top = self._top = self._longest_and_best()
+            top = self._set_top()
         longest, best, best_n = top
         if remaining > longest:  # no resident outlasts the request (the usual newcomer): one pass's figures do
             peak, batch = (kv + remaining - 1, 1) if kv + remaining > 1 else (0, 0)
@@ -181,7 +181,41 @@ class ResidentSummary:
                 peak, batch = best + kv, n + 1
         return peak, batch
 
+    def peak_bound(self, remaining: int, kv: int) -> tuple[int, int] | None:
+        """Upper bounds of `peak(remaining, kv)`'s two figures in O(1) while `peak` would need a pass over the
+        lengths (its figures went stale when a resident joined or left: the instance that took the last placement);
+        None when `peak` itself costs no pass, or when no bound is known. A request that fits within the bounds
+        fits (the latency model grows with KV and batch); only one that does not needs `peak`.
+
+        The bounds follow each change: a resident of remaining length L and KV x raises S(v) + v - 1 by
+        x + v - 1 <= x + L - 1 where v <= L, and puts a new length L whose figure is at most the max of the old
+        ones plus that (some length >= L was present) or x + 2 (L - 1) (none was); one leaving lowers them."""
+        self._follow_means()
+        if self._top is not None or self._bound is None:
+            return None
+        longest, best = self._bound
+        if remaining <= longest:
+            return None
+        peak = kv + remaining - 1
+        if best + kv > peak:
+            peak = best + kv
+        return (peak, self.num_residents + 1) if peak > 0 else (0, 0)
+
     # ---- internals ---------------------------------------------------------------------------------------------
+    def _follow_means(self) -> None:
+        """Counted again once a tier mean the remaining lengths used has moved to another integer."""
+        lengths = self._lengths
+        means = lengths.mean
+        for tier, e in self._expected.items():
+            if math.ceil(means(tier)) != e:
+                self._recount(lengths)
+                return
+
+    def _set_top(self) -> tuple[int, int, int]:
+        top = self._top = self._longest_and_best()
+        self._bound = top[:2]
+        return top
+
     def _recount(self, lengths: OutputLengthTracker) -> None:
         means = lengths.mean
         expected: dict[str, int] = {}
@@ -217,7 +251,7 @@ class ResidentSummary:
         self._wait_keys = [k for k, _ in waiting]
         self._wait_work = [w for _, w in waiting]
         self._expected, self._counts, self._kvs, self._lengths = expected, counts, kvs, lengths
-        self._top = self._index = None
+        self._top = self._bound = self._index = None
 
     def _count(self, r: ResidentRequest, sign: int) -> None:
         """Adds (sign 1) or takes out (sign -1) one resident's share; one the summary does not hold leaves it to be
@@ -264,6 +298,10 @@ class ResidentSummary:
             self._kvs[left] = self._kvs.get(left, 0) + sign * tokens
         else:
             del self._counts[left], self._kvs[left]
+        if sign > 0 and self._bound is not None:
+            longest, best = self._bound
+            self._bound = (longest if longest > left else left,
+                           max(best + tokens + left - 1, tokens + 2 * (left - 1)))
         self._top = self._index = None
 
     def _longest_and_best(self) -> tuple[int, int, int]:

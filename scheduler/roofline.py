@@ -16,6 +16,8 @@ under-charges a chunk with a long prefix (the prefix * c pairs); the online fit 
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 
@@ -113,3 +115,19 @@ class RooflineLatencyModel:
         pairs = num_kv_tokens + 0.5 * num_prefill_tokens * num_prefill_tokens
         return (self._fixed_s + (num_prefill_tokens + num_decode_seqs) * self._per_token_s
                 + num_logits * self._per_logit_s + num_kv_tokens * self._per_kv_token_s + pairs * self._per_pair_s)
+
+    def chunk_within(self, budget_s: float, num_prefill_tokens: int, num_decode_seqs: int,
+                     num_kv_tokens: int) -> float:
+        """The real c >= 0 at which predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) reaches
+        `budget_s` (0 when even c = 0 is over it): `predict` is a quadratic in c there (the causal pairs of the
+        prefill), so `scheduler.chunking.largest_chunk` starts its search from this root."""
+        p, d, kv = num_prefill_tokens, num_decode_seqs, num_kv_tokens
+        pair_s = self._per_pair_s
+        a = 0.5 * pair_s
+        b = self._per_token_s + self._per_kv_token_s + pair_s + p * pair_s
+        c = (self._fixed_s + (p + d) * self._per_token_s + (d + 1) * self._per_logit_s
+             + kv * (self._per_kv_token_s + pair_s) + 0.5 * p * p * pair_s - budget_s)
+        if c >= 0:
+            return 0.0
+        return (-2.0 * c) / (b + math.sqrt(b * b - 4.0 * a * c))  # the positive root, without cancellation
+

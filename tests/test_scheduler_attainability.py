@@ -508,3 +508,32 @@ def test_add_and_remove_keep_the_summary_without_a_recount():
         for _ in range(10):
             r_left, r_kv = rng.randint(1, 800), rng.randint(0, 3000)
             assert summary.peak(r_left, r_kv) == fresh.peak(r_left, r_kv)
+
+
+def test_peak_bounds_after_joins_and_departures_hold_the_exact_peak():
+    """Between counts, `peak_bound` answers in O(1) for the instance that took the last placement; its figures must
+    never fall below the exact peak (a request admitted on them would then be admitted wrongly)."""
+    rng = random.Random(11)
+    lengths = OutputLengthTracker(default_mean=120)
+    bounded = 0
+    for _ in range(60):
+        now = 50.0
+        live = [random_resident(rng, now) for _ in range(rng.randint(0, 60))]
+        summary = ResidentSummary(live)
+        summary.rebuild(lengths)
+        for _ in range(rng.randint(1, 12)):
+            if live and rng.random() < 0.4:
+                summary.remove(live.pop(rng.randrange(len(live))))
+            else:
+                live.append(random_resident(rng, now))
+                summary.add(live[-1])
+        fresh = ResidentSummary(list(live))
+        fresh.refresh(lengths)
+        for _ in range(10):
+            remaining, kv = rng.randint(1, 900), rng.randint(0, 5000)
+            bound = summary.peak_bound(remaining, kv)
+            exact = fresh.peak(remaining, kv)
+            if bound is not None:
+                bounded += 1
+                assert bound[0] >= exact[0] and bound[1] >= exact[1]
+    assert bounded > 100
