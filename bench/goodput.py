@@ -8,7 +8,8 @@ JSON. KV pool: what the weights leave of 90 % of 141 GB (cluster/emulation.py). 
 trace; Poisson arrivals; the four default tiers (cluster/workload.py), equal shares unless --mix.
 
 Policies (router, engine batch policy):
-  polyserve          polyserve router (tiers, load gradient, lazy promotion)   PolyServePolicy
+  polyserve          polyserve router (tiers, load gradient, lazy promotion    PolyServePolicy
+                     after scale-up)
   random             random instance, tiers ignored                             FCFS, 2048-token budget
   round-robin        next instance, tiers ignored                               FCFS, 2048-token budget
   least-loaded       minimum predicted iteration time, tiers ignored            FCFS, 2048-token budget
@@ -16,7 +17,8 @@ Policies (router, engine batch policy):
                                                                                 tightest TPOT (static)
   mixed-deadline     least-loaded                                               PolyServePolicy (deadline
                                                                                 order, dynamic chunking)
-  polyserve-no-gradient / -no-promotion / -eager-promotion: the ablations (the Router's gradient/promotion switches)
+  polyserve-no-gradient / -no-promotion / -eager-promotion / -promotion-before-scale-up: the ablations (the
+                     Router's gradient/promotion switches; the last is DESIGN.md §2's order)
 
 Prints (and writes to <out>/goodput.json): the fluid bound per tier; goodput of each policy at --fleet instances
 (bisection on the rate, pooled over --seeds, >= 90 % attaining in the measured window); per-instance goodput over
@@ -50,7 +52,8 @@ from scheduler.profile_table import ProfileTable
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BASELINES = ("random", "round-robin", "least-loaded", "co-chunk", "mixed-deadline")
-ABLATIONS = ("polyserve-no-gradient", "polyserve-no-promotion", "polyserve-eager-promotion")
+ABLATIONS = ("polyserve-no-gradient", "polyserve-no-promotion", "polyserve-eager-promotion",
+             "polyserve-promotion-before-scale-up")
 POLICIES = ("polyserve",) + BASELINES + ABLATIONS
 
 
@@ -102,7 +105,8 @@ def make_simulator(policy: str, num_instances: int, model, tiers, co_budget: int
         return Simulator(SimConfig(num_instances=num_instances, router_policy="least-loaded",
                                    engine_policy="polyserve", **config), tiers, model)
     ablation = {"polyserve-no-gradient": dict(gradient=False), "polyserve-no-promotion": dict(promotion="none"),
-                "polyserve-eager-promotion": dict(promotion="eager")}.get(policy)
+                "polyserve-eager-promotion": dict(promotion="eager"),
+                "polyserve-promotion-before-scale-up": dict(promotion="before-scale-up")}.get(policy)
     if ablation is None:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     return Simulator(SimConfig(num_instances=num_instances, **config), tiers, model, router_kwargs=ablation)

@@ -39,8 +39,12 @@ Submit assumes the request passed admission (`admissible`: its SLO can be met on
 Placement, policy "polyserve", for a request of tier k:
   1. own tier: its instances from the highest load to the lowest, the first that passes the attainability test;
      packing the busiest builds a load gradient, so the least-loaded instance drains and can be released;
-  2. lazy promotion, only if all of tier k refuse: tighter tiers, nearest first, each judged at its own tighter TPOT;
-  3. scale up: an idle instance joins tier k (an empty one, or one whose residents all allow tier k's TPOT);
+  2. scale up: an idle instance joins tier k (an empty one, or one whose residents all allow tier k's TPOT);
+  3. lazy promotion, only if tier k and the idle pool refuse: tighter tiers, nearest first, each judged at its own
+     tighter TPOT. After the idle pool, not before it (DESIGN.md §2 lists it before): a looser request on a tighter
+     instance holds a slot of that instance's small batch for its whole, long output, so tight requests that come
+     next find the tight tier full; in the simulator, 64 instances, promoting before scale-up gave up at a rate that
+     promoting after it attains at 115 % of the fluid bound (bench/RESULTS.md);
   4. else wait in tier k's queue (FIFO, bounded: past the bound QUEUE_FULL with a Retry-After estimate).
   Load = predicted iteration time of the instance's batch, every resident decoding at its current context.
   The test reads an instance through its resident summary (InstanceView.summary), which the router keeps current as
@@ -71,7 +75,7 @@ from scheduler.output_length import OutputLengthTracker
 from scheduler.tiers import TierSet
 
 POLICIES = ("polyserve", "random", "round-robin", "least-loaded")
-PROMOTIONS = ("lazy", "none", "eager")
+PROMOTIONS = ("lazy", "before-scale-up", "none", "eager")
 
 
 class Outcome(enum.Enum):
@@ -133,8 +137,9 @@ class Router:
                  expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000,
                  gradient: bool = True, promotion: str = "lazy"):
         """`gradient` and `promotion` are PolyServe's ablations: gradient=False tries a tier's least-loaded
-        instance first instead of its busiest; promotion "none" never places on a tighter tier, "eager" tries
-        the tighter tiers (nearest first) before the request's own."""
+        instance first instead of its busiest; promotion "before-scale-up" tries the tighter tiers before the idle
+        pool (DESIGN.md §2's order), "none" never places on a tighter tier, "eager" tries the tighter tiers
+        (nearest first) before the request's own."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
@@ -322,26 +327,34 @@ class Router:
             view = self._baseline_choice()
             return None if view is None else (view, How.BASELINE)
         snap = req.snapshot(now if req.late else req.arrival)
+        own, tighter = [req.tier_index], list(range(req.tier_index - 1, -1, -1))  # tighter: nearest first
+        if self.promotion == "none":
+            return self._place_in(own, req, snap, now) or self._scale_up(req, snap, now)
+        if self.promotion == "eager":
+            return self._place_in(tighter + own, req, snap, now) or self._scale_up(req, snap, now)
+        if self.promotion == "before-scale-up":
+            return self._place_in(own + tighter, req, snap, now) or self._scale_up(req, snap, now)
+        return self._place_in(own, req, snap, now) or self._scale_up(req, snap, now) \
+            or self._place_in(tighter, req, snap, now)
+
+    def _place_in(self, tiers: list[int], req: RoutedRequest, snap: RequestSnapshot,
+                  now: float) -> tuple[InstanceView, How] | None:
         attainable, tpots, members = self.checker.attainable, self._tier_tpot_ms, self.fleet.members
-        for tier in self._tier_order(req.tier_index):
+        for tier in tiers:
             tpot = tpots[tier]
             for view in sorted(members[tier], key=_load, reverse=self.gradient):
                 if view.status is InstanceStatus.READY and attainable(view.snapshot(tpot), snap, now):
                     return view, How.OWN if tier == req.tier_index else How.PROMOTED
-        if self.autoscaler is not None and not self.autoscaler.can_join(self.fleet, req.tier_index):
-            return None
-        tpot = tpots[req.tier_index]
-        for view in sorted(self.fleet.idle, key=lambda v: len(v.residents)):  # empty ones first
-            if view.tightest_resident_tpot_ms() >= tpot and attainable(view.snapshot(tpot), snap, now):
-                return view, How.SCALED_UP
         return None
 
-    def _tier_order(self, tier: int) -> list[int]:
-        """Lazy promotion: own tier, then the tighter ones nearest first."""
-        tighter = list(range(tier - 1, -1, -1))
-        if self.promotion == "none":
-            return [tier]
-        return tighter + [tier] if self.promotion == "eager" else [tier] + tighter
+    def _scale_up(self, req: RoutedRequest, snap: RequestSnapshot, now: float) -> tuple[InstanceView, How] | None:
+        if self.autoscaler is not None and not self.autoscaler.can_join(self.fleet, req.tier_index):
+            return None
+        tpot = self._tier_tpot_ms[req.tier_index]
+        for view in sorted(self.fleet.idle, key=lambda v: len(v.residents)):  # empty ones first
+            if view.tightest_resident_tpot_ms() >= tpot and self.checker.attainable(view.snapshot(tpot), snap, now):
+                return view, How.SCALED_UP
+        return None
 
     def _baseline_choice(self) -> InstanceView | None:
         serving = [v for v in self.fleet.instances.values() if v.status is InstanceStatus.READY]

@@ -92,6 +92,23 @@ def test_promotion_only_when_the_own_tier_refuses_nearest_tighter_first():
     assert router.counts["promoted"] == 3
 
 
+def test_an_idle_instance_joins_before_a_tighter_tier_is_tried():
+    """Lazy promotion comes after the idle pool: a full batch tier takes an idle instance first; DESIGN.md's order
+    ("before-scale-up") promotes onto the tighter instance with room instead."""
+    def placed(**switches):
+        router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=16,
+                                                                           idle_pool=0)), **switches)
+        ready(router, "s0", "b0", "spare")
+        fill(router, "s0", STD, 1)
+        fill(router, "b0", BATCH, 3)  # full
+        d = router.submit(request("x", BATCH), 0.0)
+        return d.instance_id, d.how
+
+    assert placed() == ("spare", How.SCALED_UP)
+    assert placed(promotion="before-scale-up") == ("s0", How.PROMOTED)
+    assert placed(promotion="none") == ("spare", How.SCALED_UP)
+
+
 def test_ablation_switches_change_only_their_ingredient():
     def placed(**switches):
         router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=16,
