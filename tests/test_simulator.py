@@ -237,7 +237,7 @@ def test_deterministic_for_a_seed(h200):
 
 
 def test_incremental_latency_record_matches_measure_request(h200):
-    _, res = fleet_run(h200, rate=110.0, duration=6.0, record_token_times=True)
+    _, res = fleet_run(h200, rate=260.0, duration=6.0, record_token_times=True)
     model, tiers, _ = h200
     checked = 0
     for i, times in enumerate(res.token_times):
