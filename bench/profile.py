@@ -2,7 +2,9 @@
 then reports how well each latency model predicts the steps of a real mixed workload (mean absolute % error).
 
 Shapes are built directly in a block manager, so every grid point is exactly (prefill tokens, decode seqs, KV
-tokens): D decodes share the KV beyond the prefill chunk; with no decode, the chunk sits on a cached prefix.
+tokens); a timed step is what the engine's step times of that batch: building the flattened batch from the block
+tables, the forward and the sampling. The workload is never seen while the profile is measured, and the online
+models are scored prequentially (each step predicted before it is observed), so every figure is held out.
 """
 from __future__ import annotations
 
@@ -18,48 +20,67 @@ import torch
 from engine import LLM, SamplingParams
 from engine._C import BlockManager
 from engine.executor import StepBatch
-from scheduler import OnlineLatencyModel, ProfileTable
+from engine.llm import device_spec, model_shape
+from scheduler import OnlineLatencyModel, ProfileTable, RooflineLatencyModel
 
-PREFILL = (0, 64, 256, 512)
-DECODES = (1, 4, 16, 32)  # no empty step on the grid: a 0 there would drag every small batch down
-KV = (512, 4096, 8192)
+# Axes cover the workload's steps: chunks up to the 512-token budget, 1..32 decodes, contexts up to 8k tokens.
+# Decode time on a CPU is far from linear in the batch (1 -> 8 decodes costs ~6 ms each, 8 -> 32 ~2 ms each), so
+# the decode axis doubles. No empty step: a 0 on the decode axis would drag every small batch towards zero.
+PREFILL = (0, 32, 128, 256, 512)
+DECODES = (1, 2, 4, 8, 16, 32)
+KV = (512, 2048, 4096, 8192)
 
 
-def time_shape(llm: LLM, prefill: int, decodes: int, kv: int, repeats: int) -> float:
-    runner = llm.engine.executor
-    bs = llm.config.block_size
-    blocks = BlockManager(runner.num_kv_blocks, bs, False)
-    seqs, computed, new = [], [], []
-    decode_ctx = max(1, (kv - prefill) // decodes) if decodes else 0
-    prefix = 0 if decodes else max(0, kv - prefill)
-    for i in range(decodes):
-        blocks.add_sequence(i, [1] * decode_ctx)
-        seqs.append(i), computed.append(decode_ctx - 1), new.append(1)
-    if prefill:
-        blocks.add_sequence(decodes, [1] * (prefix + prefill))
-        seqs.append(decodes), computed.append(prefix), new.append(prefill)
-    for s, c, n in zip(seqs, computed, new):
-        if not blocks.ensure_capacity(s, c + n):
-            raise RuntimeError(f"KV pool too small for shape P={prefill} D={decodes} K={kv}")
-    meta = blocks.build_batch(np.array(seqs), np.array(computed), np.array(new))
-    n_sampled = len(meta.sample_rows)
-    batch = StepBatch(meta, [SamplingParams(temperature=0)] * n_sampled, [None] * n_sampled, prefill, decodes,
-                      int(meta.seq_lens.sum()))
-    times = []
-    for _ in range(repeats + 1):
+class ShapeStep:
+    """One batch of an exact shape, ready to run as an engine step does."""
+
+    def __init__(self, llm: LLM, prefill: int, decodes: int, kv: int):
+        runner = llm.engine.executor
+        self.runner, self.blocks = runner, BlockManager(runner.num_kv_blocks, llm.config.block_size, False)
+        self.prefill, self.decodes, self.kv = prefill, decodes, kv
+        seqs, computed, new = [], [], []
+        # Decode contexts spread evenly over (0, 2 * mean), as in a workload of mixed lengths: the CPU attention pads
+        # every decode to the longest context in the batch, so equal lengths would under-price it.
+        mean_context = max(1, (kv - prefill) // decodes) if decodes else 0
+        prefix = 0 if decodes else max(0, kv - prefill)
+        for i in range(decodes):
+            context = max(1, round(mean_context * (2 * i + 1) / decodes))
+            self.blocks.add_sequence(i, [1] * context)
+            seqs.append(i), computed.append(context - 1), new.append(1)
+        if prefill:
+            self.blocks.add_sequence(decodes, [1] * (prefix + prefill))
+            seqs.append(decodes), computed.append(prefix), new.append(prefill)
+        for s, c, n in zip(seqs, computed, new):
+            if not self.blocks.ensure_capacity(s, c + n):
+                raise RuntimeError(f"KV pool too small for shape P={prefill} D={decodes} K={kv}")
+        self.seqs, self.computed, self.new = np.array(seqs), np.array(computed), np.array(new)
+
+    def run(self) -> float:
         t0 = time.perf_counter()
-        runner.execute(batch)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        meta = self.blocks.build_batch(self.seqs, self.computed, self.new)
+        n_sampled = len(meta.sample_rows)
+        self.runner.execute(StepBatch(meta, [SamplingParams(temperature=0)] * n_sampled, [None] * n_sampled,
+                                      self.prefill, self.decodes, int(meta.seq_lens.sum())))
+        return time.perf_counter() - t0
 
 
 def measure_profile(llm: LLM, repeats: int) -> ProfileTable:
     llm.engine.executor.kv_cache.zero_()  # no denormals or NaNs in the timed math
-    grid = [[[time_shape(llm, p, d, k, repeats) for k in KV] for d in DECODES]
-            for p in PREFILL]
+    shapes = [ShapeStep(llm, p, d, k) for p in PREFILL for d in DECODES for k in KV]
+    for shape in shapes:  # warm-up: first calls of a shape pay allocation and kernel selection
+        shape.run()
+    # Round-robin over the grid rather than shape after shape: a slow spell of the machine then spreads over all
+    # shapes instead of bending one corner of the table.
+    times = [[] for _ in shapes]
+    for _ in range(repeats):
+        for shape, measured in zip(shapes, times):
+            measured.append(shape.run())
+    medians = iter([statistics.median(t) for t in times])
+    grid = [[[next(medians) for _ in KV] for _ in DECODES] for _ in PREFILL]
     return ProfileTable(PREFILL, DECODES, KV, grid, model=Path(llm.engine.executor.cfg.path).name,
                         device=f"{llm.config.device} ({torch.get_num_threads()} threads)",
-                        source="bench.profile: engine step time, median of repeats")
+                        source=f"bench.profile: engine step time (batch build + forward + sampling), "
+                               f"median of {repeats} rounds")
 
 
 def workload_steps(llm: LLM, seed: int = 0):
@@ -80,6 +101,16 @@ def mape(model, steps) -> float:
     return 100 * sum(errors) / len(errors)
 
 
+def prequential_mape(model: OnlineLatencyModel, steps) -> float:
+    """Each step predicted before the model observes it, as the engine's scheduler predicts it live."""
+    errors = []
+    for s in steps:
+        errors.append(abs(model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens) - s.duration)
+                      / s.duration)
+        model.observe(s)
+    return 100 * sum(errors) / len(errors)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
@@ -90,18 +121,21 @@ def main(argv=None) -> None:
     llm = LLM(args.model, args.device, max_num_batched_tokens=512, num_kv_blocks=2048)
     profile = measure_profile(llm, args.repeats)
     if args.out:
-        Path(args.out).write_text(json.dumps(profile.to_dict(), indent=1))
+        profile.save(args.out)
         print(f"wrote {args.out}")
     steps = workload_steps(llm)
-    half = len(steps) // 2
-    online = OnlineLatencyModel(profile, max_prefill_tokens=512, max_decode_seqs=32, max_kv_tokens=8192)
-    for s in steps[:half]:
-        online.observe(s)
+    runner, config = llm.engine.executor, llm.config
+    # the online model exactly as engine.llm.build_engine makes it, with its roofline prior or with this profile
+    limits = dict(max_prefill_tokens=config.max_num_batched_tokens, max_decode_seqs=config.max_num_seqs,
+                  max_kv_tokens=runner.num_kv_blocks * config.block_size)
+    roofline = RooflineLatencyModel(device_spec(config.device), model_shape(runner.cfg, runner.kv_cache.element_size()))
     print(f"device={profile.device} model={profile.model} workload steps={len(steps)}")
-    print(f"{'latency model':<40}{'MAPE %':>8}")
-    print(f"{'profile table (this run)':<40}{mape(profile, steps):>8.1f}")
-    print(f"{'online fit (first half -> second half)':<40}{mape(online, steps[half:]):>8.1f}")
-    print(f"{'engine online model (live, all steps)':<40}{mape(llm.engine.latency_model, steps):>8.1f}")
+    print(f"{'latency model':<52}{'MAPE %':>8}")
+    print(f"{'profile table of this run (trilinear interpolation)':<52}{mape(profile, steps):>8.1f}")
+    print(f"{'online fit, profile prior, live (prequential)':<52}"
+          f"{prequential_mape(OnlineLatencyModel(profile, **limits), steps):>8.1f}")
+    print(f"{'online fit, roofline prior, live (the engine default)':<52}"
+          f"{prequential_mape(OnlineLatencyModel(roofline, **limits), steps):>8.1f}")
 
 
 if __name__ == "__main__":

@@ -1,62 +1,80 @@
 """Online least-squares latency model: refits to the engine's own step timings as it runs.
 
-time = b0 + b1 * P + b2 * P^2 + b3 * D + b4 * K   (P prefill tokens, D decode sequences, K KV tokens)
+time = b0 + b1 * P + b2 * P^2 + b3 * D + b4 * log(1 + D) + b5 * K + b6 * prior(P, D, K)
+(P prefill tokens, D decode sequences, K KV tokens)
 - b0: per-step fixed cost (weights read once per step when the batch is small, launches, host work);
 - b1: GEMM work per prefill token (weights are shared across tokens, so linear once compute-bound);
 - b2: causal attention of a chunk within itself, ~P^2 / 2 (query, key) pairs;
 - b3: per decode sequence: its GEMM row plus per-sequence host work (sampling, metadata), which prefill tokens
   do not pay, so it is fitted apart from b1;
-- b4: attention reading the KV cache, memory-bound: bytes grow with K.
+- b4: decode cost that flattens as the batch grows: on a CPU the first few decodes cost ~3x what later ones do
+  (SmolLM2-135M, 2 threads, bench.profile: ~6 ms each up to 8 decodes, ~2 ms each from 8 to 32), which no
+  straight line in D follows;
+- b5: attention reading the KV cache, memory-bound: bytes grow with K;
+- b6: the prior itself, so that a measured profile is corrected (scaled, plus the terms above) rather than
+  replaced by its projection onto straight lines: a profile holds the shape of the cost, the fit its drift.
 Every coefficient is constrained >= 0 (more work never makes a step faster), so predictions grow with every input
-and the dynamic-chunking search stays exact.
+(the prior must too) and the dynamic-chunking search stays exact.
 
-Weighted by recency (forgetting factor per step) so the fit follows drift, and anchored by a prior model: a fixed
-set of pseudo-observations of `prior.predict` over the expected ranges, with a small total weight. Data dominate
-the directions they cover; the prior fills the ones they do not (an engine that has only run decodes still
-predicts a sensible prefill cost). The fit weighs absolute squared error, so a prior far off (it predicts
-hundreds of ms where steps take tens) pulls harder than its weight suggests: give it a roofline or a profile.
+The fit minimises squared *relative* error (each step weighted by 1 / time^2): the target is a mean absolute
+percentage error, and with absolute errors a few long prefill steps would outweigh many short decode steps.
+Weighted by recency (forgetting factor per step) so the fit follows drift, and anchored by the prior: a fixed set
+of pseudo-observations of `prior.predict` over the expected ranges, with a small total weight. Data dominate the
+directions they cover; the prior fills the ones they do not (an engine that has only run decodes still predicts a
+sensible prefill cost). Before any step the model is the prior.
 """
 from __future__ import annotations
+
+import math
 
 from scheduler.latency_model import LatencyModel
 from scheduler.types import StepStats
 
-NUM_FEATURES = 5
+NUM_FEATURES = 7
+# Relative weights 1 / time^2 are capped here: below ~0.1 ms, timer resolution and host jitter are the error.
+MIN_WEIGHTED_TIME_S = 1e-4
+# Ridge on the scaled normal equations, relative to their trace: the prior can be a combination of the other
+# features (a roofline is affine in P, D, K plus P^2), which would leave the equations singular.
+RIDGE = 1e-9
 
 
 class OnlineLatencyModel:
     def __init__(self, prior: LatencyModel, max_prefill_tokens: int = 2048, max_decode_seqs: int = 256,
-                 max_kv_tokens: int = 1 << 20, prior_weight: float = 1.0, forgetting: float = 0.999):
+                 max_kv_tokens: int = 1 << 20, prior_weight: float = 0.01, forgetting: float = 0.999):
         if min(max_prefill_tokens, max_decode_seqs, max_kv_tokens) < 1:
             raise ValueError("max_prefill_tokens, max_decode_seqs and max_kv_tokens must be positive")
         if not prior_weight > 0:
             raise ValueError(f"prior_weight must be positive, got {prior_weight}")
         if not 0 < forgetting <= 1:
             raise ValueError(f"forgetting must lie in (0, 1], got {forgetting}")
+        self.prior = prior
         self.forgetting = forgetting
         self.num_observations = 0
-        # features are scaled to ~[0, 1] over the expected ranges: the normal equations stay well conditioned
-        self._scale = (1.0, 1.0 / max_prefill_tokens, 1.0 / max_prefill_tokens ** 2,
-                       1.0 / max_decode_seqs, 1.0 / max_kv_tokens)
-        self._prior_a = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
-        self._prior_b = [0.0] * NUM_FEATURES
         grid = [(p, d, k) for p in (0, max_prefill_tokens // 2, max_prefill_tokens)
                 for d in (0, max_decode_seqs // 2, max_decode_seqs) for k in (0, max_kv_tokens // 2, max_kv_tokens)]
+        prior_times = [prior.predict(p, d, k) for p, d, k in grid]
+        # features are scaled to ~[0, 1] over the expected ranges: the normal equations stay well conditioned
+        self._scale = (1.0, 1.0 / max_prefill_tokens, 1.0 / max_prefill_tokens ** 2, 1.0 / max_decode_seqs,
+                       1.0 / math.log1p(max_decode_seqs), 1.0 / max_kv_tokens,
+                       1.0 / max(max(prior_times), MIN_WEIGHTED_TIME_S))
+        self._prior_a = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
+        self._prior_b = [0.0] * NUM_FEATURES
         w = prior_weight / len(grid)
-        for p, d, k in grid:
-            self._accumulate(self._prior_a, self._prior_b, self._features(p, d, k), prior.predict(p, d, k), w)
+        for (p, d, k), t in zip(grid, prior_times):
+            self._accumulate(self._prior_a, self._prior_b, self._features(p, d, k, t), t, w)
         self._data_a = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
         self._data_b = [0.0] * NUM_FEATURES
         self._coef: list[float] | None = None  # unscaled; None: data changed since the last fit
         # The engine and a policy holding the same model both pass each step on: a step counts once.
         self._last_stats: StepStats | None = None
 
-    def _features(self, p: float, d: float, k: float) -> list[float]:
+    def _features(self, p: float, d: float, k: float, prior_time: float) -> list[float]:
         s = self._scale
-        return [1.0, p * s[1], p * p * s[2], d * s[3], k * s[4]]
+        return [1.0, p * s[1], p * p * s[2], d * s[3], math.log1p(d) * s[4], k * s[5], prior_time * s[6]]
 
     @staticmethod
     def _accumulate(a: list[list[float]], b: list[float], x: list[float], y: float, w: float) -> None:
+        w /= max(y, MIN_WEIGHTED_TIME_S) ** 2  # relative error
         for i in range(NUM_FEATURES):
             wxi = w * x[i]
             b[i] += wxi * y
@@ -76,14 +94,14 @@ class OnlineLatencyModel:
                 for j in range(NUM_FEATURES):
                     row[j] *= g
             self._data_b = [v * g for v in self._data_b]
-        self._accumulate(self._data_a, self._data_b,
-                         self._features(stats.num_prefill_tokens, stats.num_decode_seqs, stats.num_kv_tokens),
+        p, d, k = stats.num_prefill_tokens, stats.num_decode_seqs, stats.num_kv_tokens
+        self._accumulate(self._data_a, self._data_b, self._features(p, d, k, self.prior.predict(p, d, k)),
                          stats.duration, 1.0)
         self.num_observations += 1
         self._coef = None  # refit lazily, on the next predict
 
     def coefficients(self) -> tuple[float, ...]:
-        """(b0, b1, b2, b3, b4) in seconds per unit of (1, P, P^2, D, K)."""
+        """(b0, ..., b6) in seconds per unit of (1, P, P^2, D, log(1 + D), K) and per second of the prior."""
         if self._coef is None:
             self._refit()
         return tuple(self._coef)
@@ -93,28 +111,51 @@ class OnlineLatencyModel:
         if c is None:
             self._refit()
             c = self._coef
-        p = num_prefill_tokens
-        return c[0] + p * (c[1] + p * c[2]) + num_decode_seqs * c[3] + num_kv_tokens * c[4]
+        p, d = num_prefill_tokens, num_decode_seqs
+        t = c[0] + p * (c[1] + p * c[2]) + d * c[3] + num_kv_tokens * c[5]
+        if c[4]:
+            t += math.log1p(d) * c[4]
+        if c[6]:
+            t += self.prior.predict(p, d, num_kv_tokens) * c[6]
+        return t
 
     def _refit(self) -> None:
         a = [[pa + da for pa, da in zip(pr, dr)] for pr, dr in zip(self._prior_a, self._data_a)]
         b = [pb + db for pb, db in zip(self._prior_b, self._data_b)]
-        # active set (a heuristic, not exact NNLS): pin the most negative coefficient at 0, solve again, until all
-        # remaining ones are >= 0
-        free = list(range(NUM_FEATURES))
+        ridge = RIDGE * sum(a[i][i] for i in range(NUM_FEATURES))
+        for i in range(NUM_FEATURES):
+            a[i][i] += ridge
+        coef = _nonnegative_least_squares(a, b)
+        self._coef = [value * scale for value, scale in zip(coef, self._scale)]
+
+
+def _nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[float]:
+    """argmin x'ax - 2b'x over x >= 0, for a symmetric positive definite: Lawson and Hanson's active-set method
+    (Solving Least Squares Problems, 1974, ch. 23) on the normal equations."""
+    n = len(b)
+    x, passive = [0.0] * n, []
+    tolerance = 1e-12 * max(map(abs, b), default=0.0)
+    for _ in range(3 * n):  # Lawson and Hanson's own bound on the outer loop
+        gradient = [b[i] - sum(a[i][j] * x[j] for j in range(n)) for i in range(n)]  # of the objective, negated
+        entering = max((i for i in range(n) if i not in passive), key=gradient.__getitem__, default=None)
+        if entering is None or gradient[entering] <= tolerance:
+            break
+        passive.append(entering)
         while True:
-            solution = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
-            worst = min(range(len(free)), key=solution.__getitem__)
-            if solution[worst] >= 0:
+            z = _solve([[a[i][j] for j in passive] for i in passive], [b[i] for i in passive])
+            if all(v > 0 for v in z):
+                x = [0.0] * n
+                for i, v in zip(passive, z):
+                    x[i] = v
                 break
-            del free[worst]
-            if not free:
-                solution = []
+            # step from x towards z as far as feasibility allows; the variables that reach 0 leave
+            step = min(x[i] / (x[i] - v) for i, v in zip(passive, z) if v <= 0)
+            for i, v in zip(passive, z):
+                x[i] += step * (v - x[i])
+            passive = [i for i in passive if x[i] > 0]
+            if not passive:
                 break
-        coef = [0.0] * NUM_FEATURES
-        for i, value in zip(free, solution):
-            coef[i] = value * self._scale[i]
-        self._coef = coef
+    return x
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -124,7 +165,7 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         if m[pivot][col] == 0:
-            raise ArithmeticError("singular normal equations")  # the prior's positive weight rules this out
+            raise ArithmeticError("singular normal equations")  # the ridge rules this out
         m[col], m[pivot] = m[pivot], m[col]
         for r in range(col + 1, n):
             f = m[r][col] / m[col][col]
