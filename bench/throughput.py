@@ -1,12 +1,17 @@
 """Offline throughput on the default model: PolyServe vs transformers `generate` on the same prompts, same run.
 
-16 prompts of 64-256 tokens, 64 greedy output tokens each (`ignore_eos`, so both produce exactly 64).
+16 prompts of 64-256 tokens, 64 greedy output tokens each (`ignore_eos`, so both produce exactly 64). With
+`--repeats N` the two engines take turns N times, each round on fresh prompts (an engine that saw a round's prompts
+before would serve them from its prefix cache), and the median ratio is reported: on a machine that other jobs share,
+load changes between two back-to-back runs more than the engines differ.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -19,37 +24,50 @@ def make_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(100, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
-def run_polyserve(model: str, prompts, out_len: int, device: str, dtype: str) -> float:
+def polyserve_runner(model: str, out_len: int, device: str, dtype: str, warmup_prompts) -> Callable[[list], float]:
     from engine import LLM, SamplingParams
 
     llm = LLM(model, device, max_num_batched_tokens=1024, dtype=dtype)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.token_ids) == out_len for o in outs)
-    return elapsed
+    llm.generate(warmup_prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
+    def run(prompts) -> float:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.token_ids) == out_len for o in outs)
+        return elapsed
+
+    return run
 
 
-def run_transformers(model: str, prompts, out_len: int, device: str, dtype: str) -> float:
+def transformers_runner(model: str, out_len: int, device: str, dtype: str, warmup_prompts) -> Callable[[list], float]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as generate expects for a decoder-only batch
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
-    hf.generate(ids[:2].to(device), attention_mask=mask[:2].to(device), max_new_tokens=4, do_sample=False,
-                pad_token_id=0)
-    start = time.perf_counter()
-    out = hf.generate(ids.to(device), attention_mask=mask.to(device), **kw)
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == width + out_len
-    return elapsed
+
+    def left_padded(prompts):  # as generate expects for a decoder-only batch
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        return ids.to(device), mask.to(device)
+
+    ids, mask = left_padded(warmup_prompts)
+    hf.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    def run(prompts) -> float:
+        ids, mask = left_padded(prompts)
+        start = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False,
+                          pad_token_id=0)
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] == ids.shape[1] + out_len
+        return elapsed
+
+    return run
 
 
 def main(argv=None) -> None:
@@ -61,7 +79,10 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                     help="both engines run in it (bf16 uses AMX/AVX-512 on recent x86 CPUs)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds, the engines taking turns (median ratio)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     from engine.default_model import default_model_path
 
     model = args.model or default_model_path()
@@ -69,16 +90,24 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     from engine.model_config import ModelConfig
 
-    prompts = make_prompts(ModelConfig.from_folder(model).vocab_size, args.num_prompts)
+    vocab = ModelConfig.from_folder(model).vocab_size
+    warmup = make_prompts(vocab, 2, seed=args.repeats)  # a seed no round uses: no round starts prefix-cached
+    ours = polyserve_runner(model, args.output_len, args.device, args.dtype, warmup)
+    theirs = transformers_runner(model, args.output_len, args.device, args.dtype, warmup)
     tokens = args.num_prompts * args.output_len
-    ours = run_polyserve(model, prompts, args.output_len, args.device, args.dtype)
-    theirs = run_transformers(model, prompts, args.output_len, args.device, args.dtype)
     print(f"device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} prompts={args.num_prompts} "
-          f"prompt_tokens={sum(map(len, prompts))} output_tokens={tokens}")
-    print(f"{'engine':<14}{'seconds':>10}{'output tok/s':>15}")
-    print(f"{'polyserve':<14}{ours:>10.2f}{tokens / ours:>15.1f}")
-    print(f"{'transformers':<14}{theirs:>10.2f}{tokens / theirs:>15.1f}")
-    print(f"ratio polyserve/transformers: {theirs / ours:.2f}x")
+          f"output_tokens={tokens} rounds={args.repeats}")
+    print(f"{'round':<7}{'prompt tok':>11}{'polyserve s':>13}{'tok/s':>8}{'transformers s':>16}{'tok/s':>8}"
+          f"{'ratio':>8}")
+    ratios = []
+    for seed in range(args.repeats):
+        prompts = make_prompts(vocab, args.num_prompts, seed)
+        ours_s, theirs_s = ours(prompts), theirs(prompts)
+        ratios.append(theirs_s / ours_s)
+        print(f"{seed:<7}{sum(map(len, prompts)):>11}{ours_s:>13.2f}{tokens / ours_s:>8.1f}{theirs_s:>16.2f}"
+              f"{tokens / theirs_s:>8.1f}{ratios[-1]:>7.2f}x", flush=True)
+    print(f"ratio polyserve/transformers: {statistics.median(ratios):.2f}x"
+          + (f" (median of {args.repeats} rounds)" if args.repeats > 1 else ""))
 
 
 if __name__ == "__main__":

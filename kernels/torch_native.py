@@ -17,7 +17,7 @@ class _Plan:
     key: tuple  # the metadata tensors the plan was built from (compared by identity)
     decode_rows: torch.Tensor  # query rows of decode sequences
     decode_slots: torch.Tensor  # [Bd, Lmax] flat cache slots (padded with 0)
-    decode_mask: torch.Tensor  # [Bd, 1, 1, Lmax] True where a key exists
+    decode_mask: torch.Tensor  # [Bd, 1, 1, Lmax] 0 where a key exists, -inf elsewhere
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (q start, q end, slots [S], mask [L, S])
 
 
@@ -29,9 +29,14 @@ def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Te
     return block_table.long()[pos // block_size] * block_size + pos % block_size
 
 
-def _plan(block_tables, seq_lens, query_start_loc, block_size: int) -> _Plan:
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA would convert it on every call (0 where True, -inf where False), converted once."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _plan(block_tables, seq_lens, query_start_loc, block_size: int, dtype: torch.dtype) -> _Plan:
     global _last_plan
-    key = (block_tables, seq_lens, query_start_loc, block_size)
+    key = (block_tables, seq_lens, query_start_loc, block_size, dtype)
     if _last_plan is not None and all(a is b for a, b in zip(_last_plan.key, key)):
         return _last_plan
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
@@ -44,7 +49,7 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int) -> _Plan:
         elif q_len > 1:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)[:, None]
             # no cached prefix: plain causal, which lets SDPA take its fused kernel instead of a materialised mask
-            mask = None if q_len == seq_len else torch.arange(seq_len, device=dev)[None, :] <= q_pos
+            mask = None if q_len == seq_len else _additive(torch.arange(seq_len, device=dev)[None, :] <= q_pos, dtype)
             prefills.append((starts[i], starts[i + 1], _slots(block_tables[i], seq_len, block_size), mask))
     width = max((lens[i] for i in decode), default=0)
     slots = torch.zeros(len(decode), width, dtype=torch.long, device=dev)
@@ -57,7 +62,7 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int) -> _Plan:
         slots[row, :lens[i]] = own
         mask[row, ..., :lens[i]] = True
     rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=dev)
-    _last_plan = _Plan(key, rows, slots, mask, prefills)
+    _last_plan = _Plan(key, rows, slots, _additive(mask, dtype), prefills)
     return _last_plan
 
 
@@ -66,13 +71,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int | None = None, max_seq_len: int | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
     """kernels.reference.paged_attention, vectorised; the keyword hints (for the GPU kernels) are ignored."""
-    plan = _plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    plan = _plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], q.dtype)
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[2]
+    decode_only = not plan.prefills and len(plan.decode_rows) == q.shape[0]  # q is all decode rows, in order
+    out = None if decode_only and q.shape[0] else torch.empty_like(q)
     if len(plan.decode_rows):
-        decode_only = not plan.prefills and len(plan.decode_rows) == q.shape[0]  # q is all decode rows, in order
         qd = (q if decode_only else q[plan.decode_rows]).unsqueeze(2)  # [Bd, Hq, 1, D]
         k = _gather(k_flat, plan.decode_slots).transpose(1, 2)  # [Bd, Hkv, L, D]
         v = _gather(v_flat, plan.decode_slots).transpose(1, 2)
@@ -81,12 +86,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return o.squeeze(2)
         out[plan.decode_rows] = o.squeeze(2)
     for start, end, slots, mask in plan.prefills:
-        qp = q[start:end].transpose(0, 1)  # [Hq, L, D]
-        k = _gather(k_flat, slots).transpose(0, 1)  # [Hkv, S, D]
-        v = _gather(v_flat, slots).transpose(0, 1)
+        # 4-D, batch of one: torch's CPU SDPA takes its flash kernel only for 4-D inputs; 3-D ones fall to the
+        # unfused math path (several times slower, most of a prefill step's time)
+        qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+        k = _gather(k_flat, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        v = _gather(v_flat, slots).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                            enable_gqa=gqa)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
@@ -98,12 +105,27 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    slot_mapping = slot_mapping.long()  # index_copy_ takes int64 only; the reference accepts int32 too
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    slots, keep = _store_slots(slot_mapping)
+    if keep is not None:
+        k, v = k[keep], v[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+
+
+_last_store: tuple | None = None
+
+
+def _store_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The int64 slots to write (index_copy_ takes no other) and the rows to keep (None: all); every layer stores
+    with the same slot_mapping, so this is worked out (with its host sync) once per step."""
+    global _last_store
+    if _last_store is None or _last_store[0] is not slot_mapping:
+        keep = slot_mapping >= 0  # negative: a padding row (CUDA-graph batches), written nowhere
+        if bool(keep.all()):
+            _last_store = (slot_mapping, slot_mapping.long(), None)
+        else:
+            _last_store = (slot_mapping, slot_mapping[keep].long(), keep)
+    return _last_store[1], _last_store[2]
 
 
 _last_rotary: tuple | None = None
@@ -111,23 +133,28 @@ _last_rotary: tuple | None = None
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotation of q and k together: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], written as
+    x * [cos, cos] + [x2, x1] * [-sin, sin] (the same roundings: negating a product is exact), five ops for both."""
     global _last_rotary
-    if _last_rotary is not None and _last_rotary[0] is positions and _last_rotary[1] is cos_sin_cache:
-        cos, sin = _last_rotary[2]
-    else:
-        cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        _last_rotary = (positions, cos_sin_cache, (cos.to(q.dtype), sin.to(q.dtype)))
-        cos, sin = _last_rotary[2]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if (_last_rotary is None or _last_rotary[0] is not positions or _last_rotary[1] is not cos_sin_cache
+            or _last_rotary[2].dtype != q.dtype):
+        cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # the same for every layer of a step
+        cos2, sin2 = torch.cat((cos, cos), dim=-1).to(q.dtype), torch.cat((-sin, sin), dim=-1).to(q.dtype)
+        _last_rotary = (positions, cos_sin_cache, cos2, sin2)
+    cos2, sin2 = _last_rotary[2], _last_rotary[3]
+    x = torch.cat((q, k), dim=1)  # [T, Hq + Hkv, D]
+    half = x.shape[-1] // 2
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # [x2, x1]
+    x.mul_(cos2).add_(swapped.mul_(sin2))
+    return x.split((q.shape[1], k.shape[1]), dim=1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)  # torch's fused kernel accumulates in fp32
+    """torch's own F.rms_norm step for step (fp32 math, the weight applied in fp32, one rounding at the end), in
+    half its ops: on the CPU it is a composite of ~15 small ops, 5 of them dtype copies."""
+    xf = x.float()
+    scale = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (xf * scale).mul_(weight).to(x.dtype)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
