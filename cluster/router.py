@@ -340,10 +340,11 @@ class Router:
     def _place_in(self, tiers: list[int], req: RoutedRequest, snap: RequestSnapshot,
                   now: float) -> tuple[InstanceView, How] | None:
         attainable, tpots, members = self.checker.attainable, self._tier_tpot_ms, self.fleet.members
+        ready = InstanceStatus.READY
         for tier in tiers:
             tpot = tpots[tier]
             for view in sorted(members[tier], key=_load, reverse=self.gradient):
-                if view.status is InstanceStatus.READY and attainable(view.snapshot(tpot), snap, now):
+                if view.status is ready and attainable(view.snapshot(tpot), snap, now):
                     return view, How.OWN if tier == req.tier_index else How.PROMOTED
         return None
 

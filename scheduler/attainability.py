@@ -133,9 +133,12 @@ class AttainabilityChecker:
         """`check(instance, request, now).ok`, sooner: the figures stop at the first condition that fails, the
         cheapest first (the router's scan over a tier asks only this, and most instances of a busy fleet fail the
         first-token condition: it costs no latency prediction when r's prefill spans whole chunks)."""
-        summary = instance.resident_summary()
+        summary = instance.summary
+        if summary.version != instance.summary_version:
+            summary = instance.resident_summary()
         lengths = self.output_lengths
-        summary.refresh(lengths)
+        if summary.built_with is not lengths:
+            summary.refresh(lengths)
         model, cap, slo = self.model, self.max_prefill_chunk, request.slo
         tpot_ms = slo.tpot_ms if slo.tpot_ms < instance.tpot_ms else instance.tpot_ms
         budget_s = tpot_ms / 1000.0

@@ -77,26 +77,27 @@ class ResidentSummary:
     no longer describes its residents.
     """
     __slots__ = ("residents", "version", "num_residents", "kv_residents", "num_decoding", "kv_decoding",
-                 "_lengths", "_expected", "_wait_keys", "_wait_work", "_counts", "_kvs", "_top", "_bound", "_index",
+                 "built_with", "_expected", "_wait_keys", "_wait_work", "_counts", "_kvs", "_top", "_bound", "_index",
                  "_chunk_key", "_chunks")
 
     def __init__(self, residents: Collection[ResidentRequest]):
         self.residents = residents
         self.version = 0
         self.num_residents = self.kv_residents = self.num_decoding = self.kv_decoding = 0
-        self._lengths: OutputLengthTracker | None = None  # None: not built yet
+        # the tracker of output lengths the counts follow (None: not built yet); `refresh` counts for another one
+        self.built_with: OutputLengthTracker | None = None
         self._chunk_key: tuple | None = None
         self._chunks: dict[float, tuple[int, float]] = {}
 
     # ---- the owner's side --------------------------------------------------------------------------------------
     def add(self, r: ResidentRequest) -> None:
         self.version += 1
-        if self._lengths is not None:
+        if self.built_with is not None:
             self._count(r, 1)
 
     def remove(self, r: ResidentRequest) -> None:
         self.version += 1
-        if self._lengths is not None:
+        if self.built_with is not None:
             self._count(r, -1)
 
     def rebuild(self, lengths: OutputLengthTracker) -> None:
@@ -109,7 +110,7 @@ class ResidentSummary:
     # ---- the test's side ---------------------------------------------------------------------------------------
     def refresh(self, lengths: OutputLengthTracker) -> None:
         """Built, if it is not yet or was built with another tracker's means."""
-        if self._lengths is not lengths:
+        if self.built_with is not lengths:
             self._recount(lengths)
 
     def ahead(self, first_deadline: float) -> tuple[int, int]:
@@ -204,7 +205,7 @@ class ResidentSummary:
     # ---- internals ---------------------------------------------------------------------------------------------
     def _follow_means(self) -> None:
         """Counted again once a tier mean the remaining lengths used has moved to another integer."""
-        lengths = self._lengths
+        lengths = self.built_with
         means = lengths.mean
         for tier, e in self._expected.items():
             if math.ceil(means(tier)) != e:
@@ -250,7 +251,7 @@ class ResidentSummary:
             self.num_decoding, self.kv_decoding, self._chunks = num_decoding, kv_decoding, {}
         self._wait_keys = [k for k, _ in waiting]
         self._wait_work = [w for _, w in waiting]
-        self._expected, self._counts, self._kvs, self._lengths = expected, counts, kvs, lengths
+        self._expected, self._counts, self._kvs, self.built_with = expected, counts, kvs, lengths
         self._top = self._bound = self._index = None
 
     def _count(self, r: ResidentRequest, sign: int) -> None:
@@ -261,15 +262,15 @@ class ResidentSummary:
         e = self._expected.get(r.tier)
         if e is None:
             if sign < 0:
-                self._lengths = None
+                self.built_with = None
                 return
-            e = self._expected[r.tier] = math.ceil(self._lengths.mean(r.tier))
+            e = self._expected[r.tier] = math.ceil(self.built_with.mean(r.tier))
         left = (e if e < r.max_tokens else r.max_tokens) - out
         if left < 1:
             left = 1
         count = self._counts.get(left, 0) + sign
         if count < 0:
-            self._lengths = None
+            self.built_with = None
             return
         if out and r.num_computed_tokens >= tokens - 1:
             self.num_decoding += sign
@@ -288,7 +289,7 @@ class ResidentSummary:
                 while i and keys[i - 1] == key and works[i - 1] != work:
                     i -= 1
                 if not i or keys[i - 1] != key:
-                    self._lengths = None
+                    self.built_with = None
                     return
                 del keys[i - 1], works[i - 1]
         self.num_residents += sign

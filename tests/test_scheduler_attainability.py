@@ -484,6 +484,16 @@ def test_a_state_without_a_summary_builds_its_own_and_follows_the_checker_that_r
     assert state.resident_summary() is summary  # read, never replaced: no change of its residents since
 
 
+def join_and_leave(rng: random.Random, live: list, summary: ResidentSummary, now: float, changes: int) -> None:
+    """Residents join and leave `live` as the router places and forgets them, the summary told of each."""
+    for _ in range(changes):
+        if live and rng.random() < 0.4:
+            summary.remove(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(random_resident(rng, now))
+            summary.add(live[-1])
+
+
 def test_add_and_remove_keep_the_summary_without_a_recount():
     rng = random.Random(9)
     lengths = OutputLengthTracker(default_mean=150)
@@ -492,12 +502,7 @@ def test_add_and_remove_keep_the_summary_without_a_recount():
         live = [random_resident(rng, now) for _ in range(rng.randint(0, 40))]
         summary = ResidentSummary(live)
         summary.refresh(lengths)
-        for _ in range(30):
-            if live and rng.random() < 0.4:
-                summary.remove(live.pop(rng.randrange(len(live))))
-            else:
-                live.append(random_resident(rng, now))
-                summary.add(live[-1])
+        join_and_leave(rng, live, summary, now, 30)
         # read without `refresh`: what add and remove kept, against a summary counted afresh
         fresh = ResidentSummary(list(live))
         fresh.refresh(lengths)
@@ -521,12 +526,7 @@ def test_peak_bounds_after_joins_and_departures_hold_the_exact_peak():
         live = [random_resident(rng, now) for _ in range(rng.randint(0, 60))]
         summary = ResidentSummary(live)
         summary.rebuild(lengths)
-        for _ in range(rng.randint(1, 12)):
-            if live and rng.random() < 0.4:
-                summary.remove(live.pop(rng.randrange(len(live))))
-            else:
-                live.append(random_resident(rng, now))
-                summary.add(live[-1])
+        join_and_leave(rng, live, summary, now, rng.randint(1, 12))
         fresh = ResidentSummary(list(live))
         fresh.refresh(lengths)
         for _ in range(10):
