@@ -148,7 +148,9 @@ class AttainabilityChecker:
         start = now if now > instance.iteration_end else instance.iteration_end
         first_deadline = request.arrival + slo.ttft_ms / 1000.0
         num_decoding, kv_decoding = summary.num_decoding, summary.kv_decoding
-        num_ahead, work_ahead = summary.ahead(first_deadline)
+        num_residents, kv_residents = summary.num_residents, summary.kv_residents
+        # residents not decoding wait for (part of) their prefill; with none, nobody goes ahead
+        num_ahead, work_ahead = summary.ahead(first_deadline) if num_residents != num_decoding else (0, 0)
         r_tokens = request.num_prompt_tokens + request.num_output_tokens
         work = work_ahead + r_tokens - request.num_computed_tokens
         iterations = -(-work // chunk)
@@ -156,20 +158,20 @@ class AttainabilityChecker:
                                                                                  kv_decoding + work))
         if first > first_deadline:
             return False
+        # the steady state before the second token: at a busy instance the KV pool is what refuses most often
         r_kv = r_tokens - iterations if r_tokens > iterations else 0
-        num_residents, kv_residents = summary.num_residents, summary.kv_residents
-        if kv_residents + r_kv > instance.kv_capacity_tokens:  # what the batch holds as r's first token is out
-            return False
-        kv_then = kv_decoding + num_decoding * iterations + work_ahead + r_tokens
-        if first + model.predict(0, num_decoding + num_ahead + 1, kv_then) > first_deadline + slo.tpot_ms / 1000.0:
+        capacity = instance.kv_capacity_tokens
+        if kv_residents + r_kv > capacity:  # what the batch holds as r's first token is out
             return False
         r_left = max(min(math.ceil(lengths.mean(request.tier)), request.max_tokens) - request.num_output_tokens, 1)
-        capacity = instance.kv_capacity_tokens
         bound = summary.peak_bound(iterations + r_left, r_kv)
         if bound is None or bound[0] > capacity or model.predict(0, bound[1], bound[0]) > budget_s:
             peak_kv, peak_batch = summary.peak(iterations + r_left, r_kv)
             if peak_kv > capacity or model.predict(0, peak_batch, peak_kv) > budget_s:
                 return False
+        kv_then = kv_decoding + num_decoding * iterations + work_ahead + r_tokens
+        if first + model.predict(0, num_decoding + num_ahead + 1, kv_then) > first_deadline + slo.tpot_ms / 1000.0:
+            return False
         kv_worst = kv_residents + num_residents * iterations + max(r_tokens - chunk, 0)
         worst_chunk = cap if num_residents == 0 else largest_chunk(model, budget_s, num_residents, kv_worst, cap)
         if worst_chunk == 0:
