@@ -64,7 +64,9 @@ class OnlineLatencyModel:
             self._accumulate(self._prior_a, self._prior_b, self._features(p, d, k, t), t, w)
         self._data_a = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
         self._data_b = [0.0] * NUM_FEATURES
+        self._data_scale = 1.0  # the data's normal equations are _data_a and _data_b times this
         self._coef: list[float] | None = None  # unscaled; None: data changed since the last fit
+        self._positive: list[int] = []  # the coefficients the last fit left above 0: where the next one starts
         # The engine and a policy holding the same model both pass each step on: a step counts once.
         self._last_stats: StepStats | None = None
 
@@ -74,12 +76,13 @@ class OnlineLatencyModel:
 
     @staticmethod
     def _accumulate(a: list[list[float]], b: list[float], x: list[float], y: float, w: float) -> None:
+        """Adds w * (x x', x y) to the normal equations, the upper triangle of a only (`_refit` mirrors it)."""
         w /= max(y, MIN_WEIGHTED_TIME_S) ** 2  # relative error
         for i in range(NUM_FEATURES):
             wxi = w * x[i]
             b[i] += wxi * y
             row = a[i]
-            for j in range(NUM_FEATURES):
+            for j in range(i, NUM_FEATURES):
                 row[j] += wxi * x[j]
 
     def observe(self, stats: StepStats) -> None:
@@ -88,15 +91,15 @@ class OnlineLatencyModel:
         if not stats.duration >= 0:
             raise ValueError(f"step duration must be non-negative, got {stats.duration}")
         self._last_stats = stats
-        g = self.forgetting
-        if g != 1.0:
-            for row in self._data_a:
-                for j in range(NUM_FEATURES):
-                    row[j] *= g
-            self._data_b = [v * g for v in self._data_b]
+        # forgetting without touching the sums: they hold data / scale, and the scale shrinks instead
+        self._data_scale *= self.forgetting
+        if self._data_scale < 1e-100:
+            self._data_a = [[v * self._data_scale for v in row] for row in self._data_a]
+            self._data_b = [v * self._data_scale for v in self._data_b]
+            self._data_scale = 1.0
         p, d, k = stats.num_prefill_tokens, stats.num_decode_seqs, stats.num_kv_tokens
         self._accumulate(self._data_a, self._data_b, self._features(p, d, k, self.prior.predict(p, d, k)),
-                         stats.duration, 1.0)
+                         stats.duration, 1.0 / self._data_scale)
         self.num_observations += 1
         self._coef = None  # refit lazily, on the next predict
 
@@ -120,21 +123,37 @@ class OnlineLatencyModel:
         return t
 
     def _refit(self) -> None:
-        a = [[pa + da for pa, da in zip(pr, dr)] for pr, dr in zip(self._prior_a, self._data_a)]
-        b = [pb + db for pb, db in zip(self._prior_b, self._data_b)]
+        scale, n = self._data_scale, NUM_FEATURES
+        a = [[pa + da * scale for pa, da in zip(pr, dr)] for pr, dr in zip(self._prior_a, self._data_a)]
+        for i in range(n):
+            for j in range(i):
+                a[i][j] = a[j][i]
+        b = [pb + db * scale for pb, db in zip(self._prior_b, self._data_b)]
         ridge = RIDGE * sum(a[i][i] for i in range(NUM_FEATURES))
         for i in range(NUM_FEATURES):
             a[i][i] += ridge
-        coef = _nonnegative_least_squares(a, b)
+        coef, self._positive = _nonnegative_least_squares(a, b, self._positive)
         self._coef = [value * scale for value, scale in zip(coef, self._scale)]
 
 
-def _nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[float]:
+def _nonnegative_least_squares(a: list[list[float]], b: list[float],
+                               start: list[int] = ()) -> tuple[list[float], list[int]]:
     """argmin x'ax - 2b'x over x >= 0, for a symmetric positive definite: Lawson and Hanson's active-set method
-    (Solving Least Squares Problems, 1974, ch. 23) on the normal equations."""
+    (Solving Least Squares Problems, 1974, ch. 23) on the normal equations. Returns x and its positive
+    coordinates. `start`: the positive coordinates of a previous, nearby problem (the last fit, one step ago): when
+    the solution on them is positive and no other coordinate would lower the objective (the KKT conditions), it is
+    the answer, one solve instead of one per coordinate."""
     n = len(b)
-    x, passive = [0.0] * n, []
     tolerance = 1e-12 * max(map(abs, b), default=0.0)
+    if start:
+        z = _solve([[a[i][j] for j in start] for i in start], [b[i] for i in start])
+        if all(v > 0 for v in z):
+            x = [0.0] * n
+            for i, v in zip(start, z):
+                x[i] = v
+            if all(b[i] - sum(a[i][j] * x[j] for j in start) <= tolerance for i in range(n) if i not in start):
+                return x, list(start)
+    x, passive = [0.0] * n, []
     for _ in range(3 * n):  # Lawson and Hanson's own bound on the outer loop
         gradient = [b[i] - sum(a[i][j] * x[j] for j in range(n)) for i in range(n)]  # of the objective, negated
         entering = max((i for i in range(n) if i not in passive), key=gradient.__getitem__, default=None)
@@ -155,7 +174,7 @@ def _nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[flo
             passive = [i for i in passive if x[i] > 0]
             if not passive:
                 break
-    return x
+    return x, passive
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

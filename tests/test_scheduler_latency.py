@@ -283,6 +283,23 @@ def test_online_fit_follows_drift():
     assert model.predict(1024, 128, 300_000) == pytest.approx(true_time(1024, 128, 300_000, slower), rel=0.01)
 
 
+def test_online_fit_keeps_forgetting_past_the_rescaling_of_its_sums():
+    """Forgetting shrinks a scale instead of every sum; after ~2,200 steps at 0.9 the scale is renormalised into the
+    sums, and the fit must carry on as if nothing happened: the same as a fit that saw only the recent steps (the
+    older ones weigh 0.9^300 ~ 1e-14 of them)."""
+    rng = random.Random(3)
+    steps = [synthetic_step(rng) for _ in range(2000)] + \
+        [synthetic_step(rng, tuple(3 * c for c in TRUE)) for _ in range(1000)]
+    prior = Linear(0.01, 1e-5, 1e-4, 1e-8)
+    everything, recent = OnlineLatencyModel(prior, forgetting=0.9), OnlineLatencyModel(prior, forgetting=0.9)
+    for stats in steps:
+        everything.observe(stats)
+    for stats in steps[-300:]:
+        recent.observe(stats)
+    for shape in ((1024, 128, 300_000), (0, 16, 20_000), (512, 0, 512)):
+        assert everything.predict(*shape) == pytest.approx(recent.predict(*shape), rel=1e-6)
+
+
 def test_online_fit_falls_back_on_prior_where_data_say_nothing():
     rng = random.Random(3)
     prior = Linear(0.003, 4e-5, 1e-4, 1e-8)  # decode twice the truth, KV half of it
