@@ -146,11 +146,9 @@ def _nonnegative_least_squares(a: list[list[float]], b: list[float],
     n = len(b)
     tolerance = 1e-12 * max(map(abs, b), default=0.0)
     if start:
-        z = _solve([[a[i][j] for j in start] for i in start], [b[i] for i in start])
+        z = _solve_on(a, b, start)
         if all(v > 0 for v in z):
-            x = [0.0] * n
-            for i, v in zip(start, z):
-                x[i] = v
+            x = _spread(start, z, n)
             if all(b[i] - sum(a[i][j] * x[j] for j in start) <= tolerance for i in range(n) if i not in start):
                 return x, list(start)
     x, passive = [0.0] * n, []
@@ -161,11 +159,9 @@ def _nonnegative_least_squares(a: list[list[float]], b: list[float],
             break
         passive.append(entering)
         while True:
-            z = _solve([[a[i][j] for j in passive] for i in passive], [b[i] for i in passive])
+            z = _solve_on(a, b, passive)
             if all(v > 0 for v in z):
-                x = [0.0] * n
-                for i, v in zip(passive, z):
-                    x[i] = v
+                x = _spread(passive, z, n)
                 break
             # step from x towards z as far as feasibility allows; the variables that reach 0 leave
             step = min(x[i] / (x[i] - v) for i, v in zip(passive, z) if v <= 0)
@@ -175,6 +171,18 @@ def _nonnegative_least_squares(a: list[list[float]], b: list[float],
             if not passive:
                 break
     return x, passive
+
+
+def _solve_on(a: list[list[float]], b: list[float], coords: list[int]) -> list[float]:
+    """The unconstrained optimum over `coords` alone (the others held at 0)."""
+    return _solve([[a[i][j] for j in coords] for i in coords], [b[i] for i in coords])
+
+
+def _spread(coords: list[int], values: list[float], n: int) -> list[float]:
+    x = [0.0] * n
+    for i, v in zip(coords, values):
+        x[i] = v
+    return x
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
