@@ -9,7 +9,6 @@ models are scored prequentially (each step predicted before it is observed), so 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path

@@ -15,8 +15,8 @@ reads. The reports are not in the decision's time; their median is printed besid
 
 Throughput: one emulated engine process (`--time-scale`), `--requests` requests of 16 prompt tokens and
 `--max-tokens` outputs at `--concurrency`, first through a bare protocol client, then through RouterService on the
-same engine (its cold start is printed too). Per-token delivery latency: time the consumer holds a token minus the engine's emit time (one
-monotonic clock on one machine). Figures are medians unless marked, measured on this machine's CPU.
+same engine (its cold start is printed too). Per-token delivery latency: time the consumer holds a token minus the
+engine's emit time (one monotonic clock on one machine). Figures are medians unless marked, measured on this machine's CPU.
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ from engine.serve import DEFAULT_TIERS, parse_tiers
 
 # ---- placement --------------------------------------------------------------------------------------------------
 FILL_BURST, FILL_INTERVAL_S = 32, 0.05  # arrivals while the fleet fills: 640 requests/s of virtual time
+
+
 class _CountingChecker:
     """The router's checker, counting calls (how many instances a decision examined)."""
 
@@ -119,12 +121,11 @@ def bench_placement(num_instances: int, tiers_spec: str, decisions: int, seed: i
             for i, rid in enumerate(list(view.residents)):
                 if i % keep:
                     router.on_finished(rid, 0, now, completed=False)
-        views = router.fleet.instances.values()
+        views = list(router.fleet.instances.values())
         figures[load] = {"residents_per_instance": statistics.mean(len(v.residents) for v in views),
                          "tier_sizes": [len(m) for m in router.fleet.members], "idle": len(router.fleet.idle)}
         # live: each instance reports once per predicted iteration (its load) while requests arrive at the fill
         # rate, so about this many reports come between two decisions
-        views = list(router.fleet.instances.values())
         reports_per_decision = sum(1.0 / v.load for v in views if v.load > 0) * FILL_INTERVAL_S / FILL_BURST
         figures[load]["live_reports_per_decision"] = reports_per_decision
         next_reporter, owed = 0, 0.0

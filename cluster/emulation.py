@@ -25,7 +25,6 @@ class ScaledLatencyModel:
         elif within is not None:
             self.chunk_within = lambda budget_s, *batch: within(budget_s / scale, *batch)
 
-
     def predict(self, num_prefill_tokens: int, num_decode_seqs: int, num_kv_tokens: int) -> float:
         return self.scale * self.base.predict(num_prefill_tokens, num_decode_seqs, num_kv_tokens)
 

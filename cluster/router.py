@@ -285,7 +285,7 @@ class Router:
                 view.num_own_tier -= 1
             view.summary.remove(req)
             view.kv_tokens -= req.num_prompt_tokens + req.num_output_tokens
-            view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
+            self._update_load(view)
             view.state = view.resident_tuple = None
         if view.tier is not None:
             self._maybe_release(view.tier, now)
@@ -328,14 +328,10 @@ class Router:
             return None if view is None else (view, How.BASELINE)
         snap = req.snapshot(now if req.late else req.arrival)
         own, tighter = [req.tier_index], list(range(req.tier_index - 1, -1, -1))  # tighter: nearest first
-        if self.promotion == "none":
-            return self._place_in(own, req, snap, now) or self._scale_up(req, snap, now)
-        if self.promotion == "eager":
-            return self._place_in(tighter + own, req, snap, now) or self._scale_up(req, snap, now)
-        if self.promotion == "before-scale-up":
-            return self._place_in(own + tighter, req, snap, now) or self._scale_up(req, snap, now)
-        return self._place_in(own, req, snap, now) or self._scale_up(req, snap, now) \
-            or self._place_in(tighter, req, snap, now)
+        before_scale_up, after_scale_up = {"lazy": (own, tighter), "before-scale-up": (own + tighter, []),
+                                           "none": (own, []), "eager": (tighter + own, [])}[self.promotion]
+        return self._place_in(before_scale_up, req, snap, now) or self._scale_up(req, snap, now) \
+            or self._place_in(after_scale_up, req, snap, now)
 
     def _place_in(self, tiers: list[int], req: RoutedRequest, snap: RequestSnapshot,
                   now: float) -> tuple[InstanceView, How] | None:
@@ -388,7 +384,7 @@ class Router:
         if req.tier_index == view.tier:
             view.num_own_tier += 1
         view.kv_tokens += req.num_prompt_tokens
-        view.load = self.model.predict(0, len(view.residents), view.kv_tokens)
+        self._update_load(view)
         view.state = view.resident_tuple = None
         self.requests[req.request_id] = req
         self._log(now, how.value, req.request_id, view.instance_id, req.tier_index)
@@ -429,8 +425,12 @@ class Router:
         if view.tier is not None:
             summary.decode_chunk(self.model, self._tier_tpot_ms[view.tier] / 1000.0, self.max_prefill_chunk)
         view.kv_tokens = summary.kv_residents
-        view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
+        self._update_load(view)
         view.state = None
+
+    def _update_load(self, view: InstanceView) -> None:
+        """Load: the predicted iteration of the instance's residents, every one decoding at its current context."""
+        view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
 
     def _retry_after(self, tier: int) -> float:
         """Seconds until a tier slot is likely free: one expected output at the tier's TPOT (at least 1 s)."""

@@ -22,11 +22,8 @@ def largest_chunk(model: LatencyModel, budget_s: float, num_decode_seqs: int, nu
     guess = getattr(model, "chunk_within", None)
     if guess is not None:  # a model that can solve for the chunk: a step or two from its root to the exact answer
         c = min(int(guess(budget_s, num_prefill_tokens, num_decode_seqs, num_kv_tokens)), cap)
-        if c > 0 and predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) > budget_s:
+        while c > 0 and predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) > budget_s:
             c -= 1
-            while c > 0 and predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) > budget_s:
-                c -= 1
-            return c
         while c < cap and predict(num_prefill_tokens + c + 1, num_decode_seqs, num_kv_tokens + c + 1) <= budget_s:
             c += 1
         return c

@@ -66,8 +66,9 @@ class ResidentSummary:
     - residents by remaining expected output (tier mean rounded up, capped by max_tokens, less the output so
       far, at least 1): per remaining length, the count and the KV, from which the steady-state KV peak with one
       more request follows (`peak`: O(1) or O(log n), after one pass over the lengths present once they changed);
-    - the prefill chunk the decodes leave, per time budget, and the time of an iteration with it (the latency model is taken to be fixed while the
-      summary lives: the router's is; the engine takes a new state for every test).
+    - the prefill chunk the decodes leave, per time budget, and the time of an iteration with it (the latency
+      model is taken to be fixed while the summary lives: the router's is; the engine takes a new state for every
+      test).
 
     Whoever changes the residents keeps it current: `add` after one joined, `remove` after one left (its fields as
     they were when it joined or at the last rebuild), `rebuild` after residents' progress changed (a step report).

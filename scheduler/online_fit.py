@@ -123,12 +123,12 @@ class OnlineLatencyModel:
         return t
 
     def _refit(self) -> None:
-        scale, n = self._data_scale, NUM_FEATURES
-        a = [[pa + da * scale for pa, da in zip(pr, dr)] for pr, dr in zip(self._prior_a, self._data_a)]
-        for i in range(n):
+        data_scale = self._data_scale
+        a = [[pa + da * data_scale for pa, da in zip(pr, dr)] for pr, dr in zip(self._prior_a, self._data_a)]
+        for i in range(NUM_FEATURES):
             for j in range(i):
                 a[i][j] = a[j][i]
-        b = [pb + db * scale for pb, db in zip(self._prior_b, self._data_b)]
+        b = [pb + db * data_scale for pb, db in zip(self._prior_b, self._data_b)]
         ridge = RIDGE * sum(a[i][i] for i in range(NUM_FEATURES))
         for i in range(NUM_FEATURES):
             a[i][i] += ridge

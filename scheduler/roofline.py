@@ -17,7 +17,6 @@ under-charges a chunk with a long prefix (the prefix * c pairs); the online fit 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 
@@ -123,11 +122,12 @@ class RooflineLatencyModel:
         prefill), so `scheduler.chunking.largest_chunk` starts its search from this root."""
         p, d, kv = num_prefill_tokens, num_decode_seqs, num_kv_tokens
         pair_s = self._per_pair_s
-        a = 0.5 * pair_s
-        b = self._per_token_s + self._per_kv_token_s + pair_s + p * pair_s
-        c = (self._fixed_s + (p + d) * self._per_token_s + (d + 1) * self._per_logit_s
-             + kv * (self._per_kv_token_s + pair_s) + 0.5 * p * p * pair_s - budget_s)
-        if c >= 0:
+        # predict - budget_s = quadratic * c^2 + linear * c + constant
+        quadratic = 0.5 * pair_s
+        linear = self._per_token_s + self._per_kv_token_s + pair_s + p * pair_s
+        constant = (self._fixed_s + (p + d) * self._per_token_s + (d + 1) * self._per_logit_s
+                    + kv * (self._per_kv_token_s + pair_s) + 0.5 * p * p * pair_s - budget_s)
+        if constant >= 0:
             return 0.0
-        return (-2.0 * c) / (b + math.sqrt(b * b - 4.0 * a * c))  # the positive root, without cancellation
-
+        # the positive root, in the form without cancellation
+        return -2.0 * constant / (linear + math.sqrt(linear * linear - 4.0 * quadratic * constant))
