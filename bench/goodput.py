@@ -2,6 +2,7 @@
 
     python -m bench.goodput [--quick] [--fleet 64] [--fleet-sizes 8,16,32,64,128,256] [--seeds 2] [--processes 2]
                             [--latency-profile FILE] [--trace azure2023_conv] [--out bench/results]
+    python -m bench.goodput --scan-only [--policies polyserve] [--scan-rel-tol 0.02]   (the fleet-size scan alone)
 
 Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
 JSON. KV pool: what the weights leave of 90 % of 141 GB (cluster/emulation.py). Lengths: the Azure conversation
@@ -22,7 +23,8 @@ Policies (router, engine batch policy):
 
 Prints (and writes to <out>/goodput.json): the fluid bound per tier; goodput of each policy at --fleet instances
 (bisection on the rate, pooled over --seeds, >= 90 % attaining in the measured window); per-instance goodput over
---fleet-sizes for PolyServe and the best baseline; the autoscaled fleet through a phase change (the tier mix
+--fleet-sizes for PolyServe and the best baseline (a longer window, and seeds enough for --scan-instance-runs
+instance-runs per probe: see `Plan`); the autoscaled fleet through a phase change (the tier mix
 inverts mid-run), attaining requests per instance-second; per-tier TTFT/TPOT percentiles; the time to simulate
 one hour of the trace at 64 instances; the engine-versus-simulator calibration. Plots (PNG) go to <out>.
 Figures are virtual-time results of the simulator; wall times are this machine's CPU.
@@ -233,6 +235,13 @@ class Plan:
     warmup_s: float
     window_s: float
     rel_tol: float
+    # The fleet-size scan compares fleets with each other, so its window must reach the steady state of the
+    # smallest: a 12 s window hides a few % of overload (the queue needs longer than that to push the loosest tier's
+    # 8 s TTFT over), and at 8 instances the arrivals of a few seconds swing attainment by several points. Each
+    # probe pools max(1, scan_instance_runs / n) seeds, so every fleet size is measured with as many instance-runs.
+    scan_warmup_s: float
+    scan_window_s: float
+    scan_instance_runs: int
     scan_rel_tol: float
     autoscale_max: int
     autoscale_duration: float
@@ -245,11 +254,11 @@ class Plan:
 def make_plan(args) -> Plan:
     if args.quick:
         plan = Plan(fleet=8, fleet_sizes=(4, 8, 16), seeds=(1,), warmup_s=6.0, window_s=10.0, rel_tol=0.08,
-                    scan_rel_tol=0.1, autoscale_max=8, autoscale_duration=90.0, speed_duration=600.0,
+                    scan_warmup_s=6.0, scan_window_s=20.0, scan_instance_runs=8, scan_rel_tol=0.1, autoscale_max=8, autoscale_duration=90.0, speed_duration=600.0,
                     calibration=(0.5, 28.0, 8.0))
     else:
         plan = Plan(fleet=64, fleet_sizes=(8, 16, 32, 64, 128, 256), seeds=(1, 2), warmup_s=8.0, window_s=12.0,
-                    rel_tol=0.05, scan_rel_tol=0.06, autoscale_max=16, autoscale_duration=240.0,
+                    rel_tol=0.05, scan_warmup_s=12.0, scan_window_s=48.0, scan_instance_runs=64, scan_rel_tol=0.03, autoscale_max=16, autoscale_duration=240.0,
                     speed_duration=None, calibration=(1.0, 16.0, 20.0))
     if args.fleet:
         plan.fleet = args.fleet
@@ -257,12 +266,38 @@ def make_plan(args) -> Plan:
         plan.fleet_sizes = tuple(int(x) for x in args.fleet_sizes.split(","))
     if args.seeds:
         plan.seeds = tuple(range(1, args.seeds + 1))
+    if args.scan_rel_tol:
+        plan.scan_rel_tol = args.scan_rel_tol
     if args.policies:
         plan.policies = tuple(args.policies.split(","))
         unknown = set(plan.policies) - set(POLICIES)
         if unknown:
             raise SystemExit(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
     return plan
+
+
+def scan_seeds(plan: Plan, num_instances: int) -> tuple[int, ...]:
+    return tuple(range(1, 1 + max(1, math.ceil(plan.scan_instance_runs / num_instances))))
+
+
+def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], guesses: dict[str, float], co_budget: int,
+             bound: FluidBound) -> list[dict]:
+    """Goodput of each policy at each fleet size (bisection from `guesses`, per instance), printed as a table."""
+    jobs = [SearchJob(setup, p, n, co_budget, scan_seeds(plan, n), 0.85 * guesses[p] * n, 1.15 * guesses[p] * n,
+                      plan.scan_rel_tol) for p in policies for n in plan.fleet_sizes]
+    # largest fleets first: they take longest, so the pool stays busy to the end
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
+    scan = _map(pool, run_search, [jobs[i] for i in order], "fleet-size scan")
+    scan = [scan[order.index(i)] for i in range(len(jobs))]
+    print(f"\nGoodput per instance by fleet size (req/s per instance; window {setup.window_s:.0f} s after "
+          f"{setup.warmup_s:.0f} s; seeds per probe: {plan.scan_instance_runs} instance-runs / instances; "
+          f"bisection to {plan.scan_rel_tol:.0%}):")
+    print("  " + f"{'instances':>10}{'seeds':>6}" + "".join(f"{p:>18}" for p in policies) + f"{'bound':>10}")
+    for n in plan.fleet_sizes:
+        row = [next(s for s in scan if s["policy"] == p and s["num_instances"] == n) for p in policies]
+        print("  " + f"{n:>10}{len(scan_seeds(plan, n)):>6}" + "".join(f"{r['goodput'] / n:18.2f}" for r in row)
+              + f"{bound.rate(1):10.2f}")
+    return scan
 
 
 def _map(pool, fn, jobs, label: str):
@@ -288,6 +323,9 @@ def main(argv=None) -> None:
     ap.add_argument("--fleet", type=int, default=None, help="fixed fleet of the policy comparison (full: 64)")
     ap.add_argument("--fleet-sizes", default=None, help="comma-separated fleet sizes of the scaling scan")
     ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--scan-rel-tol", type=float, default=None, help="bisection tolerance of the fleet-size scan")
+    ap.add_argument("--scan-only", action="store_true",
+                    help="only the fleet-size scan, of --policies (default: polyserve), from the fluid bound")
     ap.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(POLICIES)}")
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--latency-profile", default=None, help="profile JSON (default: the H200 roofline model)")
@@ -324,7 +362,23 @@ def main(argv=None) -> None:
     print(f"  mix {tuple(round(s, 3) for s in bound.shares)}: lambda* = {bound.rate(1):.2f} req/s per instance; "
           f"co-chunk static budget {co_budget} tokens")
 
+    scan_setup = Setup(args.trace, args.latency_profile, mix, plan.scan_warmup_s, plan.scan_window_s)
     pool = multiprocessing.get_context("fork").Pool(args.processes) if args.processes > 1 else None
+    if args.scan_only:
+        policies = list(plan.policies) if args.policies else ["polyserve"]
+        try:
+            report["scan"] = run_scan(pool, plan, scan_setup, policies, {p: bound.rate(1) for p in policies},
+                                      co_budget, bound)
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+        report["wall_s"] = time.perf_counter() - t_start
+        (out_dir / "goodput_scan.json").write_text(json.dumps(_rounded(report), default=_json_default))
+        plot_scan(report["scan"], policies, plan.fleet_sizes, bound.rate(1), out_dir / "goodput_vs_fleet_size.png")
+        print(f"\nwrote {out_dir}/goodput_scan.json and goodput_vs_fleet_size.png; total wall time "
+              f"{report['wall_s']:.0f} s")
+        return
     try:
         # 1. policy comparison at the main fleet
         lam = bound.rate(plan.fleet)
@@ -345,24 +399,9 @@ def main(argv=None) -> None:
 
         # 2. per-instance goodput over fleet sizes, PolyServe and the best baseline
         scan_policies = [p for p in ("polyserve", best_baseline["policy"] if best_baseline else None) if p]
-        per_inst = {s["policy"]: s["goodput"] / plan.fleet for s in searches}
-        jobs = []
-        for p in scan_policies:
-            for n in plan.fleet_sizes:
-                guess = per_inst.get(p) or bound.rate(1)
-                guess = guess if guess > 0 else bound.rate(1) * 0.5
-                jobs.append(SearchJob(setup, p, n, co_budget, plan.seeds[:1], 0.8 * guess * n, 1.1 * guess * n,
-                                      plan.scan_rel_tol))
-        # largest fleets first: they take longest, so the pool stays busy to the end
-        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
-        scan = _map(pool, run_search, [jobs[i] for i in order], "fleet-size scan")
-        scan = [scan[order.index(i)] for i in range(len(jobs))]
-        report["scan"] = scan
-        print("\nGoodput per instance by fleet size (req/s per instance; seed 1):")
-        print("  " + f"{'instances':>10}" + "".join(f"{p:>18}" for p in scan_policies) + f"{'bound':>10}")
-        for n in plan.fleet_sizes:
-            row = [next(s for s in scan if s["policy"] == p and s["num_instances"] == n) for p in scan_policies]
-            print("  " + f"{n:>10}" + "".join(f"{r['goodput'] / n:18.2f}" for r in row) + f"{bound.rate(1):10.2f}")
+        # the comparison's short window flatters every policy a little: start the bisection from its figures
+        guesses = {s["policy"]: (s["goodput"] / plan.fleet) or 0.5 * bound.rate(1) for s in searches}
+        report["scan"] = run_scan(pool, plan, scan_setup, scan_policies, guesses, co_budget, bound)
 
         # 3. detail runs: per-tier latency at a common load; the autoscaled fleet through a phase change;
         #    the speed measurement; the calibration
