@@ -11,7 +11,13 @@ the instances report in turn at the fleet's own pace, each once per predicted it
 arrive at the fill rate (640/s); "after reports": every instance reported a step since (the bound where steps far
 outpace arrivals; the reports touch every resident of the fleet, so the decision then runs on a cold CPU cache). A
 report counts the instance's resident summary again and takes there the snapshot and prefill chunk the next scan
-reads. The reports are not in the decision's time; their median is printed beside it.
+reads. The reports are not in the decision's time; their median is printed beside it. In that synthetic fleet no
+request ever leaves, so while the reports go on, residents grow past their max_tokens and instances past their KV
+pool (at the end of the live mode 2 of 3 checks met an instance already over its KV): it bounds the scan from above.
+"simulated": the decision timed inside the fleet simulator (cluster/simulator.py; bench/goodput.py's setup:
+default tiers, Azure conversation lengths, Poisson arrivals at --sim-loads x the fluid bound), the same Router
+object under the traffic it is built for: requests finish, every instance reports each step it took before the
+next decision, the engines' KV pools hold what they hold.
 
 Throughput: one emulated engine process (`--time-scale`), `--requests` requests of 16 prompt tokens and
 `--max-tokens` outputs at `--concurrency`, first through a bare protocol client, then through RouterService on the
@@ -158,6 +164,52 @@ def bench_placement(num_instances: int, tiers_spec: str, decisions: int, seed: i
     return figures
 
 
+def bench_placement_simulated(num_instances: int, loads: tuple[float, ...], duration_s: float, warmup_s: float,
+                              seed: int = 1) -> dict:
+    """Decisions after `warmup_s` of virtual time (the fleet fills from empty first)."""
+    from bench.goodput import Setup, make_simulator
+    from cluster.goodput import fluid_bound
+    from cluster.simulator import SimConfig
+
+    setup = Setup("azure2023_conv", None, (1.0, 1.0, 1.0, 1.0), 0.0, duration_s)
+    model, tiers, factory = setup.build()
+    base = SimConfig()
+    bound = fluid_bound(model, factory.poisson(200.0, 200.0, seed=0), base.kv_blocks * base.block_size,
+                        base.max_num_seqs)
+    figures = {}
+    for load in loads:
+        sim = make_simulator("polyserve", num_instances, model, tiers, co_budget=0)
+        times, checks = [], []
+
+        def timed_router(expected_output: float, build=sim._build_router) -> Router:
+            router = build(expected_output)
+            counter = router.checker = _CountingChecker(router.checker)
+            submit = router.submit
+
+            def timed_submit(req, now, readmit=False):
+                if now < warmup_s:
+                    return submit(req, now, readmit)
+                counter.calls = 0
+                start = time.perf_counter_ns()
+                decision = submit(req, now, readmit)
+                times.append((time.perf_counter_ns() - start) / 1000)
+                checks.append(counter.calls)
+                return decision
+
+            router.submit = timed_submit
+            return router
+
+        sim._build_router = timed_router
+        rate = load * bound.rate(num_instances)
+        res = sim.run(factory.poisson(rate, duration_s, seed))
+        times.sort()
+        figures[load] = {"rate": rate, "decisions": len(times), "median_us": statistics.median(times),
+                         "p90_us": times[int(0.9 * len(times))], "p99_us": times[int(0.99 * len(times))],
+                         "mean_checks": statistics.mean(checks), "attainment": res.attainment(),
+                         "tier_sizes": [s for s in res.samples if s[0] <= duration_s][-1][1]}
+    return figures
+
+
 # ---- throughput -------------------------------------------------------------------------------------------------
 def _prompt(i: int) -> list[int]:
     return [3 + (i * 31 + j * 7) % 900 for j in range(16)]
@@ -256,6 +308,9 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--time-scale", type=float, default=1.0, help="emulated engine iteration = this x roofline")
+    ap.add_argument("--sim-loads", default="0.95,0.5", help="simulated mode: arrival rates, x the fluid bound")
+    ap.add_argument("--sim-duration", type=float, default=20.0, help="simulated mode: seconds of arrivals")
+    ap.add_argument("--sim-warmup", type=float, default=8.0, help="simulated mode: seconds before the timing")
     ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args(argv)
 
@@ -271,6 +326,14 @@ def main(argv=None) -> None:
                 f"  (on_report, untimed above: median {m['report_median_us']:.1f} us)"
             print(f"    {mode:14s} median {m['median_us']:8.1f} us  p90 {m['p90_us']:8.1f}  p99 {m['p99_us']:8.1f}  "
                   f"checks/decision {m['mean_checks']:5.2f}  placed {m['placed']} queued {m['queued']}{reports}")
+    sim = bench_placement_simulated(args.instances, tuple(float(x) for x in args.sim_loads.split(",")),
+                                    args.sim_duration, args.sim_warmup)
+    print(f"  simulated (fleet simulator, {args.instances} instances, default tiers, Poisson arrivals for "
+          f"{args.sim_duration:g} s, decisions after {args.sim_warmup:g} s timed):")
+    for load, m in sim.items():
+        print(f"    {load:.2f} x bound ({m['rate']:.0f} req/s, attainment {m['attainment']:.1%}, tiers "
+              f"{list(m['tier_sizes'])} as arrivals end): median {m['median_us']:6.1f} us  p90 {m['p90_us']:6.1f}  "
+              f"p99 {m['p99_us']:6.1f}  checks/decision {m['mean_checks']:5.2f}  over {m['decisions']} decisions")
     if args.skip_throughput:
         return
     thr = asyncio.run(bench_throughput(args.requests, args.concurrency, args.max_tokens, args.time_scale))

@@ -79,7 +79,7 @@ class ResidentSummary:
     """
     __slots__ = ("residents", "version", "num_residents", "kv_residents", "num_decoding", "kv_decoding",
                  "built_with", "_expected", "_wait_keys", "_wait_work", "_counts", "_kvs", "_top", "_bound", "_index",
-                 "_chunk_key", "_chunks")
+                 "_chunk_key", "_chunks", "_generation")
 
     def __init__(self, residents: Collection[ResidentRequest]):
         self.residents = residents
@@ -207,11 +207,14 @@ class ResidentSummary:
     def _follow_means(self) -> None:
         """Counted again once a tier mean the remaining lengths used has moved to another integer."""
         lengths = self.built_with
+        if lengths.generation == self._generation:
+            return
         means = lengths.mean
         for tier, e in self._expected.items():
             if math.ceil(means(tier)) != e:
                 self._recount(lengths)
                 return
+        self._generation = lengths.generation
 
     def _set_top(self) -> tuple[int, int, int]:
         top = self._top = self._longest_and_best()
@@ -253,6 +256,7 @@ class ResidentSummary:
         self._wait_keys = [k for k, _ in waiting]
         self._wait_work = [w for _, w in waiting]
         self._expected, self._counts, self._kvs, self.built_with = expected, counts, kvs, lengths
+        self._generation = lengths.generation
         self._top = self._bound = self._index = None
 
     def _count(self, r: ResidentRequest, sign: int) -> None:

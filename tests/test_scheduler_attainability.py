@@ -187,6 +187,20 @@ def test_output_length_tracker_running_mean_then_follows_shifts():
         tracker.observe("gold", -1)
 
 
+def test_output_length_tracker_publishes_a_mean_only_once_it_drifted_past_the_tolerance():
+    tracker = OutputLengthTracker(default_mean=100, horizon=10, tolerance=0.05)
+    for _ in range(10):
+        tracker.observe("gold", 100)
+    assert tracker.mean("gold") == 100
+    generation = tracker.generation
+    tracker.observe("gold", 140)  # estimate 104: within 5 % of 100, not published
+    assert tracker.mean("gold") == 100 and tracker.generation == generation
+    tracker.observe("gold", 140)  # estimate 107.6: published
+    assert tracker.mean("gold") == pytest.approx(107.6) and tracker.generation == generation + 1
+    with pytest.raises(ValueError, match="tolerance"):
+        OutputLengthTracker(100, tolerance=-0.1)
+
+
 def test_snapshot_and_state_validate():
     with pytest.raises(ValueError, match="num_computed_tokens"):
         RequestSnapshot(arrival=0, num_prompt_tokens=10, max_tokens=5, slo=SLO_50, num_computed_tokens=11)
