@@ -4,6 +4,9 @@ from __future__ import annotations
 from scheduler.latency_model import LatencyModel
 
 
+ROOT_MARGIN = 1e-6  # tokens: a root's rounding error is ~1e-16 relative, chunks are below 1e6 tokens
+
+
 def largest_chunk(model: LatencyModel, budget_s: float, num_decode_seqs: int, num_kv_tokens: int, cap: int,
                   num_prefill_tokens: int = 0) -> int:
     """Largest c in [0, cap] with predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) <= budget_s;
@@ -14,14 +17,21 @@ def largest_chunk(model: LatencyModel, budget_s: float, num_decode_seqs: int, nu
     prefills. Binary search: exact for models that grow with every input (the three shipped ones do); for any
     other model the answer still fits the budget. A model with `chunk_within` (the root of its prediction in c,
     scheduler/roofline.py) is searched from that root instead, a step or two in place of a dozen predictions;
-    the root is only where the search starts, so the answer is the same.
+    the root is only where the search starts (or, clear of every integer, the answer itself), so the answer is the
+    same.
     """
     if cap <= 0:
         return 0
     predict = model.predict
     guess = getattr(model, "chunk_within", None)
     if guess is not None:  # a model that can solve for the chunk: a step or two from its root to the exact answer
-        c = min(int(guess(budget_s, num_prefill_tokens, num_decode_seqs, num_kv_tokens)), cap)
+        root = guess(budget_s, num_prefill_tokens, num_decode_seqs, num_kv_tokens)
+        # a root clear of every integer by far more than its rounding error is the answer as it stands
+        if root >= cap + ROOT_MARGIN:
+            return cap
+        c = int(root)
+        if root - c > ROOT_MARGIN and c + 1 - root > ROOT_MARGIN:
+            return c
         while c > 0 and predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) > budget_s:
             c -= 1
         while c < cap and predict(num_prefill_tokens + c + 1, num_decode_seqs, num_kv_tokens + c + 1) <= budget_s:

@@ -13,7 +13,7 @@ def test_largest_chunk_from_the_roofline_root_equals_the_binary_search():
         predict = staticmethod(roofline.predict)
 
     rng = random.Random(7)
-    for _ in range(400):
+    for _ in range(4000):
         decodes, kv, prefill = rng.randrange(0, 400), rng.randrange(0, 900_000), rng.choice((0, 0, 37, 512))
         budget = rng.uniform(0.002, 0.08)
         cap = rng.choice((1, 64, 2048, 8192))
