@@ -2,7 +2,8 @@
 
 Backends:
   reference  the torch ops of kernels.reference (any device): slow, obviously correct, the oracle of the tests;
-  torch      kernels.torch_native: vectorised torch (SDPA over gathered contexts), the default on the CPU;
+  torch      kernels.torch_native: vectorised torch (decode rows in the C++ kernel of kernels.cpu_native, prefill
+             chunks in SDPA), the default on the CPU;
   triton     the Triton kernels (the default on CUDA). On CPU tensors they run only under Triton's interpreter,
              which Triton selects when each kernel is defined: TRITON_INTERPRET=1 must be in the environment
              before the first get_ops(..., backend="triton") (that call imports the kernel modules);

@@ -1,8 +1,10 @@
 """Vectorised torch versions of the attention-side ops: the fast path on the CPU (and any device without Triton).
 
-Same signatures as `kernels.reference`. Decode rows of the batch share one `scaled_dot_product_attention` call over
-their gathered, padded contexts; each prefill chunk gets its own call with a causal mask offset by its cached prefix.
-The gather plan depends only on the step's metadata, so it is built once per step and reused by every layer.
+Same signatures as `kernels.reference`. Decode rows of the batch go to the C++ kernel of kernels.cpu_native, which
+reads K and V in place from the paged cache; without that extension (or off the CPU) they share one
+`scaled_dot_product_attention` call over their gathered, padded contexts. Each prefill chunk gets its own SDPA call
+with a causal mask offset by its cached prefix. The plan (decode rows and their tables, gathers, masks) depends only
+on the step's metadata, so it is built once per step and reused by every layer.
 """
 from __future__ import annotations
 
@@ -11,13 +13,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
+
 
 @dataclass(slots=True)
 class _Plan:
     key: tuple  # the metadata tensors the plan was built from (compared by identity)
     decode_rows: torch.Tensor  # query rows of decode sequences
-    decode_slots: torch.Tensor  # [Bd, Lmax] flat cache slots (padded with 0)
-    decode_mask: torch.Tensor  # [Bd, 1, 1, Lmax] 0 where a key exists, -inf elsewhere
+    # for the C++ kernel (None without it): the decode sequences' block tables [Bd, max_blocks] and lengths [Bd]
+    decode_tables: torch.Tensor | None
+    decode_lens: torch.Tensor | None
+    # for SDPA (None with the C++ kernel): flat cache slots [Bd, Lmax] (padded) and the mask [Bd, 1, 1, Lmax],
+    # 0 where a key exists, -inf elsewhere
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (q start, q end, slots [S], mask [L, S])
 
 
@@ -51,6 +60,15 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int, dtype: torch
             # no cached prefix: plain causal, which lets SDPA take its fused kernel instead of a materialised mask
             mask = None if q_len == seq_len else _additive(torch.arange(seq_len, device=dev)[None, :] <= q_pos, dtype)
             prefills.append((starts[i], starts[i + 1], _slots(block_tables[i], seq_len, block_size), mask))
+    rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=dev)
+    if dev.type == "cpu" and cpu_native.available():
+        if len(decode) == len(lens):  # every sequence decodes: its tables as they are, no copy
+            tables, decode_lens = block_tables, seq_lens
+        else:
+            seqs = torch.tensor(decode, dtype=torch.long)
+            tables, decode_lens = block_tables[seqs], seq_lens[seqs]
+        _last_plan = _Plan(key, rows, tables, decode_lens, None, None, prefills)
+        return _last_plan
     width = max((lens[i] for i in decode), default=0)
     slots = torch.zeros(len(decode), width, dtype=torch.long, device=dev)
     mask = torch.zeros(len(decode), 1, 1, width, dtype=torch.bool, device=dev)
@@ -61,8 +79,7 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int, dtype: torch
         slots[row] = own[0] if lens[i] else 0
         slots[row, :lens[i]] = own
         mask[row, ..., :lens[i]] = True
-    rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=dev)
-    _last_plan = _Plan(key, rows, slots, _additive(mask, dtype), prefills)
+    _last_plan = _Plan(key, rows, None, None, slots, _additive(mask, dtype), prefills)
     return _last_plan
 
 
@@ -78,13 +95,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode_only = not plan.prefills and len(plan.decode_rows) == q.shape[0]  # q is all decode rows, in order
     out = None if decode_only and q.shape[0] else torch.empty_like(q)
     if len(plan.decode_rows):
-        qd = (q if decode_only else q[plan.decode_rows]).unsqueeze(2)  # [Bd, Hq, 1, D]
-        k = _gather(k_flat, plan.decode_slots).transpose(1, 2)  # [Bd, Hkv, L, D]
-        v = _gather(v_flat, plan.decode_slots).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa)
+        qd = q if decode_only else q[plan.decode_rows]  # [Bd, Hq, D]
+        if plan.decode_tables is not None:
+            o = cpu_native.decode_attention(qd, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
+        else:
+            k = _gather(k_flat, plan.decode_slots).transpose(1, 2)  # [Bd, Hkv, L, D]
+            v = _gather(v_flat, plan.decode_slots).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd.unsqueeze(2), k, v, attn_mask=plan.decode_mask, scale=scale,
+                                               enable_gqa=gqa).squeeze(2)
         if decode_only:
-            return o.squeeze(2)
-        out[plan.decode_rows] = o.squeeze(2)
+            return o
+        out[plan.decode_rows] = o
     for start, end, slots, mask in plan.prefills:
         # 4-D, batch of one: torch's CPU SDPA takes its flash kernel only for 4-D inputs; 3-D ones fall to the
         # unfused math path (several times slower, most of a prefill step's time)
