@@ -1,10 +1,13 @@
 """The CPU C++ decode attention (kernels.cpu_native, csrc/cpu) against kernels.reference, and its use by the CPU
-fast path (kernels.torch_native). Skipped where the extension is not built.
+fast path (kernels.torch_native). The install builds the extension wherever torch imports (./run installs torch
+first), so a missing one fails here unless the build was turned off with POLYSERVE_SKIP_CPU_KERNELS=1.
 
 Same error bounds and poisoning as tests/test_kernels.py: the output buffer starts as NaN, and cache slots no
 sequence owns hold NaN, so an unwritten element or a key read past a sequence's end fails the comparison.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -15,7 +18,10 @@ from kernels.paged_batch import random_paged_batch
 from test_kernels import BF16, F16, F32, assert_close, poisoned_allocations
 
 if not cpu_native.available():
-    pytest.skip("kernels._cpu is not built", allow_module_level=True)
+    if os.environ.get("POLYSERVE_SKIP_CPU_KERNELS") == "1":
+        pytest.skip("kernels._cpu not built (POLYSERVE_SKIP_CPU_KERNELS=1)", allow_module_level=True)
+    raise ImportError("kernels._cpu is not built: install the project with torch already installed "
+                      "(pip install --no-build-isolation -e .)")
 
 LAYOUTS = {"mha": (4, 4), "gqa3": (6, 2), "mqa": (8, 1)}  # (query heads, KV heads)
 
