@@ -76,6 +76,13 @@ class Setup:
                                   base.max_prefill_chunk, TierMix(self.mix))
         return model, tiers, factory
 
+    def bound(self) -> FluidBound:
+        """The fluid bound of this setup's tier mix and lengths (a long Poisson sample of them)."""
+        model, _, factory = _built(self)
+        base = SimConfig()
+        return fluid_bound(model, factory.poisson(200.0, 200.0, seed=0), base.kv_blocks * base.block_size,
+                           base.max_num_seqs)
+
 
 _CACHE: dict = {}
 
@@ -346,7 +353,7 @@ def main(argv=None) -> None:
     model, tiers, factory = _built(setup)
     base = SimConfig()
     kv_tokens = base.kv_blocks * base.block_size
-    bound = fluid_bound(model, factory.poisson(200.0, 200.0, seed=0), kv_tokens, base.max_num_seqs)
+    bound = setup.bound()
     co_budget = co_chunk_budget(model, tiers, bound)
     report: dict = {"plan": asdict(plan), "setup": asdict(setup), "kv_capacity_tokens": kv_tokens,
                     "co_chunk_budget": co_budget,
@@ -409,9 +416,7 @@ def main(argv=None) -> None:
             if all(s["goodput"] > 0 for s in searches if s["policy"] in scan_policies) else 0.5 * lam
         duration = plan.warmup_s + plan.window_s
         skewed = Setup(args.trace, args.latency_profile, DEFAULT_MIX, plan.warmup_s, plan.window_s)
-        skewed_model, _, skewed_factory = _built(skewed)
-        skewed_bound = fluid_bound(skewed_model, skewed_factory.poisson(200.0, 200.0, seed=0), kv_tokens,
-                                   base.max_num_seqs)
+        skewed_bound = skewed.bound()
         auto_rate = 0.6 * skewed_bound.rate(plan.autoscale_max)
         start_fleet = max(2, math.ceil(auto_rate / (0.8 * skewed_bound.rate(1))))
         limits = ScalingLimits(min_instances=2, max_instances=plan.autoscale_max, idle_pool=2, stop_after_idle_s=10.0)

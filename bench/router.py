@@ -167,15 +167,11 @@ def bench_placement(num_instances: int, tiers_spec: str, decisions: int, seed: i
 def bench_placement_simulated(num_instances: int, loads: tuple[float, ...], duration_s: float, warmup_s: float,
                               seed: int = 1) -> dict:
     """Decisions after `warmup_s` of virtual time (the fleet fills from empty first)."""
-    from bench.goodput import Setup, make_simulator
-    from cluster.goodput import fluid_bound
-    from cluster.simulator import SimConfig
+    from bench.goodput import Setup, _built, make_simulator
 
     setup = Setup("azure2023_conv", None, (1.0, 1.0, 1.0, 1.0), 0.0, duration_s)
-    model, tiers, factory = setup.build()
-    base = SimConfig()
-    bound = fluid_bound(model, factory.poisson(200.0, 200.0, seed=0), base.kv_blocks * base.block_size,
-                        base.max_num_seqs)
+    model, tiers, factory = _built(setup)
+    bound = setup.bound()
     figures = {}
     for load in loads:
         sim = make_simulator("polyserve", num_instances, model, tiers, co_budget=0)
