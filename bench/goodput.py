@@ -220,7 +220,8 @@ def run_calibration(args: tuple) -> dict:
     out = {"time_scale": time_scale, "rate": rate, "requests": len(w), "step_overhead_s": live.step_overhead_s,
            "step_overhead_per_seq_s": live.step_overhead_per_seq_s,
            "live_attainment": float(live_attained.mean()), "sim_attainment": sim.attainment(),
-           "raw_sim_attainment": raw.attainment(), "live_wall_s": live.wall_s, "tiers": {}}
+           "raw_sim_attainment": raw.attainment(), "live_wall_s": live.wall_s, "live_stall_s": live.stall_s,
+           "tiers": {}}
     for k, tier in enumerate(tiers):
         idx = np.flatnonzero(w.tier_index == k)
         times = [live.token_times[i] for i in idx]
@@ -462,7 +463,8 @@ def main(argv=None) -> None:
           f"{calib['rate']:g} req/s, {calib['requests']} requests: attaining live engine (real time) "
           f"{calib['live_attainment']:.1%}, simulator {calib['raw_sim_attainment']:.1%}, simulator with the engine's "
           f"measured host time per step ({calib['step_overhead_s'] * 1000:.2f} ms + "
-          f"{calib['step_overhead_per_seq_s'] * 1e6:.1f} us per sequence) {calib['sim_attainment']:.1%}")
+          f"{calib['step_overhead_per_seq_s'] * 1e6:.1f} us per sequence) {calib['sim_attainment']:.1%}; "
+          f"the engine stalled {calib['live_stall_s']:.2f} s of {calib['live_wall_s']:.1f} s (CPU taken by other jobs)")
     for name, t in calib["tiers"].items():
         print(f"  {name:8} TTFT p50 live {_pct(np.array(t['live_ttft']) * 1000, 50):7.1f} ms sim "
               f"{_pct(np.array(t['sim_ttft']) * 1000, 50):7.1f} ms; TPOT p50 live "

@@ -26,6 +26,7 @@ from scheduler.latency_model import LatencyModel
 from scheduler.roofline import LLAMA_3_1_8B, ModelShape
 from scheduler.types import BatchPolicy
 
+STALL_THRESHOLD_S = 1e-3  # host time a step may spend beyond the fit before it counts as a stall
 EOS_TOKEN_ID = 128001  # Llama 3's <|end_of_text|>; the emulated executor never samples it
 
 
@@ -62,6 +63,11 @@ class EngineReplay:
     # least squares (non-negative) over the last steps the engine kept
     step_overhead_s: float
     step_overhead_per_seq_s: float
+    # real clock: time that neither the model nor the fit explains (steps more than 1 ms over the fit, gaps over
+    # 1 ms between busy steps, wake-ups for an arrival over 1 ms late): the CPU held by another process, or this
+    # one paused. No simulator can know of it,
+    # so a run with much of it says nothing about the simulator. 0 on the virtual clock.
+    stall_s: float = 0.0
 
 
 def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolicy, model_folder: str,
@@ -98,6 +104,8 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
     token_times: list[list[float] | None] = [None] * n
     ids: dict[str, int] = {}
     i = steps = 0
+    gaps: list[float] = []  # from one step's end to the next step's start, the engine busy throughout
+    last_step_end: float | None = None
     while i < n or engine.has_unfinished():
         t = now()
         while i < n and arrivals[i] <= t:
@@ -109,18 +117,29 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
                 ids[f"r{i}"] = i
             i += 1
         if engine.has_unfinished():
+            if last_step_end is not None:
+                gaps.append(now() - last_step_end)
             for out in engine.step():
                 if out.finished:
                     token_times[ids[out.request_id]] = list(out.token_times)
             steps += 1
+            last_step_end = now()
             if steps > max_steps:
                 raise RuntimeError(f"the engine did not finish the workload within {max_steps} steps")
         elif i < n:
+            last_step_end = None
             if clock == "virtual":
                 virtual.now = arrivals[i]
             else:
                 time.sleep(max(0.0, arrivals[i] - now()))
-    return EngineReplay(token_times, steps, time.monotonic() - t0, *host_overhead(engine.step_stats, model))
+                gaps.append(now() - arrivals[i])  # a late wake-up delays the arrival like a gap between steps
+    const, per_seq = host_overhead(engine.step_stats, model)
+    stall = 0.0
+    if clock == "real":
+        unexplained = [s.duration - model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens)
+                       - const - per_seq * s.num_seqs for s in engine.step_stats]
+        stall = sum(x - STALL_THRESHOLD_S for x in unexplained + gaps if x > STALL_THRESHOLD_S)
+    return EngineReplay(token_times, steps, time.monotonic() - t0, const, per_seq, stall)
 
 
 def host_overhead(stats, model: LatencyModel) -> tuple[float, float]:

@@ -1,7 +1,7 @@
 """The simulator against the live engine in real time: one emulated engine (engine.llm.build_engine, executor
 "emulated", sleeping the latency model's step time) and the simulator serve the same workload; with the engine's
 measured host time per step added (a constant plus a part per sequence, fitted to the engine's own step records:
-on this CPU about 0.4 ms + 15 us per sequence), the simulator's attainment and latency are close to the engine's.
+on this CPU about 0.2-0.3 ms + 5-10 us per sequence), the simulator's attainment and latency are close to the engine's.
 
 The latency model is Llama-3.1-8B on an H200 scaled by 0.5, so the run takes seconds."""
 from __future__ import annotations
@@ -20,6 +20,12 @@ from scheduler.polyserve import PolyServePolicy
 TIME_SCALE = 0.5
 RATE = 36.0  # requests per second of scaled time: 18/s on the real H200, near one mixed instance's limit
 DURATION = 6.0
+# A run in which the CPU was taken from the engine for more than this share of its time (another process on a
+# shared machine) is run again, up to ATTEMPTS times: such stalls are no property of the engine that a simulator
+# could model. Quiet runs here stall ~0.2 %; two CPU hogs on this 2-core machine ~2.5 % (the figures still agree);
+# six hogs ~11 % (they do not).
+MAX_STALL_SHARE = 0.03
+ATTEMPTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +36,15 @@ def runs(tmp_path_factory):
     factory = WorkloadFactory(load_trace("azure2023_conv"), tiers, model, cfg.kv_blocks * cfg.block_size,
                               cfg.max_prefill_chunk, TierMix((1, 1, 1, 1)))
     w = factory.poisson(RATE, DURATION, seed=7)
-    policy = PolyServePolicy(model, tiers[3].slo, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk)
-    live = replay_on_engine(w, model, policy, write_emulated_model_folder(tmp_path_factory.mktemp("m")),
-                            cfg.kv_blocks, clock="real")
+    folder = write_emulated_model_folder(tmp_path_factory.mktemp("m"))
+    attempts = []
+    for _ in range(ATTEMPTS):
+        policy = PolyServePolicy(model, tiers[3].slo, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                 cfg.max_prefill_chunk)
+        attempts.append(replay_on_engine(w, model, policy, folder, cfg.kv_blocks, clock="real"))
+        if attempts[-1].stall_s <= MAX_STALL_SHARE * attempts[-1].wall_s:
+            break
+    live = min(attempts, key=lambda r: r.stall_s / r.wall_s)
     sim = Simulator(dataclasses.replace(cfg, step_overhead_s=live.step_overhead_s,
                                         step_overhead_per_seq_s=live.step_overhead_per_seq_s), tiers, model).run(w)
     return w, live, sim
@@ -43,6 +55,12 @@ def test_every_request_served_by_both(runs):
     assert all(t is not None and len(t) == n for t, n in zip(live.token_times, w.output_lens))
     assert sim.served.all()
     assert 0 < live.step_overhead_s + 32 * live.step_overhead_per_seq_s < 0.005  # a CPU's host time per step
+
+
+def test_the_kept_run_was_not_disturbed(runs):
+    w, live, sim = runs
+    assert live.stall_s <= MAX_STALL_SHARE * live.wall_s, \
+        f"every attempt lost over {MAX_STALL_SHARE:.0%} of its time to stalls (best {live.stall_s:.3f} s)"
 
 
 def test_attainment_within_a_few_points(runs):
