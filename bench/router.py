@@ -61,9 +61,9 @@ class _CountingChecker:
         self.calls += 1
         return self.inner.check(instance, request, now)
 
-    def attainable(self, instance, request, now):
+    def fits(self, summary, kv_capacity_tokens, iteration_end, tpot_ms, request, now):
         self.calls += 1
-        return self.inner.attainable(instance, request, now)
+        return self.inner.fits(summary, kv_capacity_tokens, iteration_end, tpot_ms, request, now)
 
     def check_idle(self, request, kv_capacity_tokens):
         return self.inner.check_idle(request, kv_capacity_tokens)

@@ -58,32 +58,18 @@ class InstanceView:
     load: float = 0.0  # predicted iteration time of the current batch (every resident decoding)
     iteration_end: float = 0.0  # predicted end of the iteration in flight
     num_blocks_used: int = 0  # as last reported
-    state: InstanceState | None = None  # attainability snapshot; None when stale
-    # `residents` as the snapshot holds them; None once one joined or left. Kept across step reports (they change
-    # the residents' progress, not who they are), so a snapshot after a report need not copy every resident again
-    resident_tuple: tuple[RoutedRequest, ...] | None = None
     # the attainability test's aggregates of `residents` (read live: the dict is only ever changed in place); the
-    # router adds and removes residents as it places and forgets them, and rebuilds it on step reports
+    # router adds and removes residents as it places and forgets them, and rebuilds it on step reports, so the
+    # router's scan reads it as it is (AttainabilityChecker.fits)
     summary: ResidentSummary = field(init=False)
 
     def __post_init__(self):
         self.summary = ResidentSummary(self.residents.values())
 
     def snapshot(self, tpot_ms: float) -> InstanceState:
-        """The attainability test's view, held to `tpot_ms`; the router drops it whenever residents, their progress
-        or the tier label change (and `resident_tuple` whenever residents join or leave), so a cached one is never
-        stale."""
-        state = self.state
-        if state is None:
-            residents = self.resident_tuple
-            if residents is None:
-                residents = self.resident_tuple = tuple(self.residents.values())
-            state = self.state = InstanceState(residents, self.kv_capacity_tokens, self.iteration_end, tpot_ms,
-                                               self.summary)
-        elif state.tpot_ms != tpot_ms:
-            state = self.state = InstanceState(state.residents, self.kv_capacity_tokens, self.iteration_end, tpot_ms,
-                                               self.summary)
-        return state
+        """The attainability test's view of it as it is now, held to `tpot_ms` (for `check`: the full verdict)."""
+        return InstanceState(tuple(self.residents.values()), self.kv_capacity_tokens, self.iteration_end, tpot_ms,
+                             self.summary)
 
     def tightest_resident_tpot_ms(self) -> float:
         return min((r.slo.tpot_ms for r in self.residents.values()), default=float("inf"))

@@ -49,9 +49,9 @@ Placement, policy "polyserve", for a request of tier k:
   Load = predicted iteration time of the instance's batch, every resident decoding at its current context.
   The test reads an instance through its resident summary (InstanceView.summary), which the router keeps current as
   it places requests, takes step reports and forgets requests: a scan costs O(log n) per instance of n residents
-  (plus the latency predictions), not a pass over them; a report pays that pass once, and takes the snapshot and
-  the decodes' prefill chunk the next scan of the instance's tier reads, so a scan right after reports costs what a
-  warm one does.
+  (plus the latency predictions), not a pass over them; a report pays that pass once and finds the decodes'
+  prefill chunk that the next scan of the instance's tier reads, so a scan right after reports costs what a warm
+  one does.
   A request that waited until its first token can no longer be on time is judged as if it arrived now: still
   served, first token as soon as no one else is hurt.
 Scale down: when a tier's least-loaded instance holds no request of that tier, it returns to the idle pool.
@@ -64,6 +64,7 @@ import math
 import random
 from collections import Counter, deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Iterable, Protocol
 
 from cluster.autoscaler import Autoscaler
@@ -157,6 +158,8 @@ class Router:
         self.events: deque[Event] = deque(maxlen=event_log)
         self.counts: Counter[str] = Counter()  # totals of every event kind
         self._tier_tpot_ms = [t.tpot_ms for t in tiers]
+        # per tier: the tiers to scan before the idle pool, and after it (tighter ones nearest first)
+        self._tier_orders = [_scan_orders(k, promotion) for k in range(len(tiers))]
         self._rng = random.Random(seed)
         self._round_robin = 0
 
@@ -206,7 +209,6 @@ class Router:
             del self.requests[req.request_id]
         view.residents.clear()
         view.num_own_tier = view.kv_tokens = 0
-        view.state = view.resident_tuple = None
         view.summary.rebuild(self.output_lengths)
         self._log(now, "lost", None, instance_id, None)
         return lost
@@ -268,8 +270,6 @@ class Router:
         view.num_blocks_used = report.num_blocks_used
         self._refresh(view)
         view.iteration_end = report.iteration_end + view.load  # the next step started as the reported one ended
-        if view.tier is not None:  # taken here, off the path of the next scan of its tier, which reads it as it is
-            view.snapshot(self._tier_tpot_ms[view.tier])
 
     def on_finished(self, request_id: str, num_output_tokens: int, now: float, completed: bool = True) -> None:
         req = self.requests.pop(request_id, None)
@@ -286,7 +286,6 @@ class Router:
             view.summary.remove(req)
             view.kv_tokens -= req.num_prompt_tokens + req.num_output_tokens
             self._update_load(view)
-            view.state = view.resident_tuple = None
         if view.tier is not None:
             self._maybe_release(view.tier, now)
 
@@ -327,20 +326,19 @@ class Router:
             view = self._baseline_choice()
             return None if view is None else (view, How.BASELINE)
         snap = req.snapshot(now if req.late else req.arrival)
-        own, tighter = [req.tier_index], list(range(req.tier_index - 1, -1, -1))  # tighter: nearest first
-        before_scale_up, after_scale_up = {"lazy": (own, tighter), "before-scale-up": (own + tighter, []),
-                                           "none": (own, []), "eager": (tighter + own, [])}[self.promotion]
+        before_scale_up, after_scale_up = self._tier_orders[req.tier_index]
         return self._place_in(before_scale_up, req, snap, now) or self._scale_up(req, snap, now) \
             or self._place_in(after_scale_up, req, snap, now)
 
-    def _place_in(self, tiers: list[int], req: RoutedRequest, snap: RequestSnapshot,
+    def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot,
                   now: float) -> tuple[InstanceView, How] | None:
-        attainable, tpots, members = self.checker.attainable, self._tier_tpot_ms, self.fleet.members
+        fits, tpots, members = self.checker.fits, self._tier_tpot_ms, self.fleet.members
         ready = InstanceStatus.READY
         for tier in tiers:
             tpot = tpots[tier]
             for view in sorted(members[tier], key=_load, reverse=self.gradient):
-                if view.status is ready and attainable(view.snapshot(tpot), snap, now):
+                if view.status is ready and fits(view.summary, view.kv_capacity_tokens, view.iteration_end, tpot,
+                                                 snap, now):
                     return view, How.OWN if tier == req.tier_index else How.PROMOTED
         return None
 
@@ -349,7 +347,8 @@ class Router:
             return None
         tpot = self._tier_tpot_ms[req.tier_index]
         for view in sorted(self.fleet.idle, key=lambda v: len(v.residents)):  # empty ones first
-            if view.tightest_resident_tpot_ms() >= tpot and self.checker.attainable(view.snapshot(tpot), snap, now):
+            if view.tightest_resident_tpot_ms() >= tpot and self.checker.fits(
+                    view.summary, view.kv_capacity_tokens, view.iteration_end, tpot, snap, now):
                 return view, How.SCALED_UP
         return None
 
@@ -385,21 +384,18 @@ class Router:
             view.num_own_tier += 1
         view.kv_tokens += req.num_prompt_tokens
         self._update_load(view)
-        view.state = view.resident_tuple = None
         self.requests[req.request_id] = req
         self._log(now, how.value, req.request_id, view.instance_id, req.tier_index)
 
     def _join(self, view: InstanceView, tier: int, now: float) -> None:
         view.tier, view.since = tier, now
         view.num_own_tier = sum(1 for r in view.residents.values() if r.tier_index == tier)
-        view.state = None
         self.fleet.members[tier].append(view)
 
     def _unlabel(self, view: InstanceView) -> None:
         if view.tier is not None:
             self.fleet.members[view.tier].remove(view)
             view.tier = None
-            view.state = None
         elif view in self.fleet.idle:
             self.fleet.idle.remove(view)
 
@@ -426,7 +422,6 @@ class Router:
             summary.decode_chunk(self.model, self._tier_tpot_ms[view.tier] / 1000.0, self.max_prefill_chunk)
         view.kv_tokens = summary.kv_residents
         self._update_load(view)
-        view.state = None
 
     def _update_load(self, view: InstanceView) -> None:
         """Load: the predicted iteration of the instance's residents, every one decoding at its current context."""
@@ -442,5 +437,10 @@ class Router:
         self.events.append(Event(now, kind, request_id, instance_id, tier))
 
 
-def _load(view: InstanceView) -> float:
-    return view.load
+_load = attrgetter("load")
+
+
+def _scan_orders(tier: int, promotion: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    own, tighter = (tier,), tuple(range(tier - 1, -1, -1))
+    return {"lazy": (own, tighter), "before-scale-up": (own + tighter, ()), "none": (own, ()),
+            "eager": (tighter + own, ())}[promotion]

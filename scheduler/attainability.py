@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from scheduler.chunking import largest_chunk
-from scheduler.instance_state import InstanceState, RequestSnapshot
+from scheduler.instance_state import InstanceState, RequestSnapshot, ResidentSummary
 from scheduler.latency_model import LatencyModel
 from scheduler.output_length import OutputLengthTracker
 
@@ -130,23 +130,30 @@ class AttainabilityChecker:
                              peak_batch, worst_chunk, worst_end)
 
     def attainable(self, instance: InstanceState, request: RequestSnapshot, now: float) -> bool:
-        """`check(instance, request, now).ok`, sooner: the figures stop at the first condition that fails, in the
-        order that refuses soonest in a busy fleet (the router's scan over a tier asks only this): first token (no
-        latency prediction when r's prefill spans whole chunks), the KV as r's first token is out, continuity, the
-        steady state, the second token."""
+        """`check(instance, request, now).ok`, sooner: see `fits`."""
         summary = instance.summary
         if summary.version != instance.summary_version:
             summary = instance.resident_summary()
+        return self.fits(summary, instance.kv_capacity_tokens, instance.iteration_end, instance.tpot_ms, request, now)
+
+    def fits(self, summary: ResidentSummary, kv_capacity_tokens: int, iteration_end: float, tpot_ms: float,
+             request: RequestSnapshot, now: float) -> bool:
+        """`attainable` on an instance given by its parts, `summary` describing its residents as they are now (the
+        router's scan: it keeps each instance's summary current, so it needs no InstanceState). The figures stop
+        at the first condition that fails, in the order that refuses soonest in a busy fleet: first token (no
+        latency prediction when r's prefill spans whole chunks), the KV as r's first token is out, continuity, the
+        steady state, the second token."""
         lengths = self.output_lengths
         if summary.built_with is not lengths:
             summary.refresh(lengths)
         model, cap, slo = self.model, self.max_prefill_chunk, request.slo
-        tpot_ms = slo.tpot_ms if slo.tpot_ms < instance.tpot_ms else instance.tpot_ms
+        if slo.tpot_ms < tpot_ms:
+            tpot_ms = slo.tpot_ms
         budget_s = tpot_ms / 1000.0
         chunk, chunk_s = summary.decode_chunk_step(model, budget_s, cap)
         if chunk == 0:
             return False
-        start = now if now > instance.iteration_end else instance.iteration_end
+        start = now if now > iteration_end else iteration_end
         first_deadline = request.arrival + slo.ttft_ms / 1000.0
         num_decoding, kv_decoding = summary.num_decoding, summary.kv_decoding
         num_residents, kv_residents = summary.num_residents, summary.kv_residents
@@ -160,7 +167,7 @@ class AttainabilityChecker:
         if first > first_deadline:
             return False
         r_kv = r_tokens - iterations if r_tokens > iterations else 0
-        capacity = instance.kv_capacity_tokens
+        capacity = kv_capacity_tokens
         if kv_residents + r_kv > capacity:  # what the batch holds as r's first token is out
             return False
         # continuity next: in a busy fleet it is what refuses most instances that could start r's prefill in time

@@ -16,6 +16,7 @@ from cluster.protocol import Resident
 from cluster.router import How, InstanceReport, Outcome, Router
 from scheduler.attainability import AttainabilityChecker, Rejection
 from scheduler.chunking import largest_chunk
+from scheduler.instance_state import InstanceState
 from scheduler.tiers import Tier, TierSet
 from test_scheduler_attainability import reference_check
 
@@ -264,12 +265,10 @@ def test_a_report_prepares_the_next_scan_and_joins_and_leaves_still_show(monkeyp
     ready(router, "a")
     reqs = fill(router, "a", STD, 2)
     view = router.fleet["a"]
-    held = view.snapshot(50).residents
     router.on_report("a", InstanceReport(1.0, 0, [Resident(r.request_id, 1000, 1001, 1) for r in reqs]), 1.0)
-    state = view.state
-    # taken at the report, same residents without a copy, the new step's end, the decodes' chunk already found
-    assert state is not None and state.tpot_ms == 50 and state.residents is held
-    assert state.iteration_end == view.iteration_end and view.snapshot(50) is state
+    # the decodes' chunk already found at the report
+    state = view.snapshot(50)
+    assert state.iteration_end == view.iteration_end and state.summary is view.summary
     summary = view.summary
     budget = TIERS[STD].tpot_ms / 1000.0
     calls = []
@@ -355,8 +354,9 @@ class ReferenceChecker(AttainabilityChecker):
     def check(self, instance, request, now):
         return reference_check(self, instance, request, now)
 
-    def attainable(self, instance, request, now):
-        return reference_check(self, instance, request, now).ok
+    def fits(self, summary, kv_capacity_tokens, iteration_end, tpot_ms, request, now):
+        state = InstanceState(tuple(summary.residents), kv_capacity_tokens, iteration_end, tpot_ms)
+        return reference_check(self, state, request, now).ok
 
 
 def test_placements_equal_those_of_the_reference_test_through_random_events():
