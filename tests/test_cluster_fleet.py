@@ -15,7 +15,7 @@ from cluster import protocol as p
 from cluster.autoscaler import Autoscaler, ScalingLimits
 from cluster.emulation import emulated_latency_model
 from cluster.fleet import InstanceStatus
-from cluster.launcher import LocalLauncher
+from cluster.launcher import LaunchError, LocalLauncher
 from cluster.router import Router
 from cluster.service import RouterService
 from engine.sampling_params import SamplingParams
@@ -215,3 +215,41 @@ def test_hung_and_killed_engines_lose_no_request(tiny_model):
         assert router.counts["lost"] == 2 and len(service.cold_starts) >= 4
 
     asyncio.run(scenario())
+
+
+def _visible_devices(pid: int) -> str | None:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    value = env.get(b"CUDA_VISIBLE_DEVICES")
+    return None if value is None else value.decode()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads a process's environment from /proc")
+def test_one_worker_per_gpu_each_seeing_only_its_own(tiny_model):
+    """--gpus: each worker process gets its own device as CUDA_VISIBLE_DEVICES, no more workers than devices, and
+    a device is handed out again once its worker is gone (emulated workers here: the assignment is the same)."""
+    async def main():
+        launcher = LocalLauncher(["--executor", "emulated", "--model", tiny_model, "--num-kv-blocks", "16"],
+                                 gpus=["0", "3"])
+        assert launcher.capacity == 2
+        try:
+            await launcher.start("a")
+            await launcher.start("b")
+            assert {i: _visible_devices(launcher.pid(i)) for i in "ab"} == {"a": "0", "b": "3"}
+            with pytest.raises(LaunchError, match="every GPU"):
+                await launcher.start("c")
+            launcher.kill("a")
+            await launcher.stop("a")
+            await launcher.start("c")
+            assert _visible_devices(launcher.pid("c")) == "0"
+        finally:
+            await launcher.close()
+        no_gpus = LocalLauncher(["--executor", "emulated", "--model", tiny_model, "--num-kv-blocks", "16"])
+        assert no_gpus.capacity is None
+        try:
+            await no_gpus.start("x")
+            assert _visible_devices(no_gpus.pid("x")) == os.environ.get("CUDA_VISIBLE_DEVICES")
+        finally:
+            await no_gpus.close()
+
+    asyncio.run(main())
