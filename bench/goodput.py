@@ -32,6 +32,7 @@ Figures are virtual-time results of the simulator; wall times are this machine's
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing
@@ -147,11 +148,13 @@ class SearchJob:
     rel_tol: float
 
 
-def run_search(job: SearchJob) -> dict:
+def run_search(job: SearchJob, map_fn=map, width: int = 1) -> dict:
+    """One goodput search; its runs through `map_fn`, `width` rates per round (cluster.goodput.search_goodput)."""
     t0 = time.perf_counter()
-    found = search_goodput(lambda rate, seed: _attainment(job.setup, job.policy, job.num_instances, job.co_budget,
-                                                          len(job.seeds), rate, seed),
-                           job.seeds, job.low, job.high, rel_tol=job.rel_tol)
+    attainment_at = functools.partial(_attainment, job.setup, job.policy, job.num_instances, job.co_budget,
+                                      len(job.seeds))
+    found = search_goodput(attainment_at, job.seeds, job.low, job.high, rel_tol=job.rel_tol, width=width,
+                           map_fn=map_fn)
     return {"policy": job.policy, "num_instances": job.num_instances, "goodput": found.goodput,
             "probes": [(p.rate, p.attainment, list(p.per_seed)) for p in found.probes],
             "wall_s": time.perf_counter() - t0}
@@ -288,18 +291,23 @@ def scan_seeds(plan: Plan, num_instances: int) -> tuple[int, ...]:
     return tuple(range(1, 1 + max(1, math.ceil(plan.scan_instance_runs / num_instances))))
 
 
-def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], guesses: dict[str, float], co_budget: int,
-             bound: FluidBound) -> list[dict]:
-    """Goodput of each policy at each fleet size (bisection from `guesses`, per instance), printed as a table."""
-    jobs = [SearchJob(setup, p, n, co_budget, scan_seeds(plan, n), 0.85 * guesses[p] * n, 1.15 * guesses[p] * n,
+def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], brackets: dict[str, tuple[float, float]],
+             co_budget: int, bound: FluidBound, processes: int = 1) -> list[dict]:
+    """Goodput of each policy at each fleet size (searched from `brackets`: per-instance rates), printed as a
+    table."""
+    jobs = [SearchJob(setup, p, n, co_budget, scan_seeds(plan, n), brackets[p][0] * n, brackets[p][1] * n,
                       plan.scan_rel_tol) for p in policies for n in plan.fleet_sizes]
-    # largest fleets first: they take longest, so the pool stays busy to the end
-    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
-    scan = _map(pool, run_search, [jobs[i] for i in order], "fleet-size scan")
-    scan = [scan[order.index(i)] for i in range(len(jobs))]
+    if len(jobs) == 1 and pool is not None:  # one search: the pool runs its probes, several rates per round
+        job = jobs[0]
+        scan = [run_search(job, pool.map, max(1, processes // len(job.seeds)))]
+    else:
+        # largest fleets first: they take longest, so the pool stays busy to the end
+        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
+        scan = _map(pool, run_search, [jobs[i] for i in order], "fleet-size scan")
+        scan = [scan[order.index(i)] for i in range(len(jobs))]
     print(f"\nGoodput per instance by fleet size (req/s per instance; window {setup.window_s:.0f} s after "
           f"{setup.warmup_s:.0f} s; seeds per probe: {plan.scan_instance_runs} instance-runs / instances; "
-          f"bisection to {plan.scan_rel_tol:.0%}):")
+          f"searched to {plan.scan_rel_tol:.0%}):")
     print("  " + f"{'instances':>10}{'seeds':>6}" + "".join(f"{p:>18}" for p in policies) + f"{'bound':>10}")
     for n in plan.fleet_sizes:
         row = [next(s for s in scan if s["policy"] == p and s["num_instances"] == n) for p in policies]
@@ -331,9 +339,12 @@ def main(argv=None) -> None:
     ap.add_argument("--fleet", type=int, default=None, help="fixed fleet of the policy comparison (full: 64)")
     ap.add_argument("--fleet-sizes", default=None, help="comma-separated fleet sizes of the scaling scan")
     ap.add_argument("--seeds", type=int, default=None)
-    ap.add_argument("--scan-rel-tol", type=float, default=None, help="bisection tolerance of the fleet-size scan")
+    ap.add_argument("--scan-rel-tol", type=float, default=None, help="relative tolerance of the fleet-size scan's search")
     ap.add_argument("--scan-only", action="store_true",
                     help="only the fleet-size scan, of --policies (default: polyserve), from the fluid bound")
+    ap.add_argument("--scan-bracket", default=None, metavar="LOW,HIGH",
+                    help="with --scan-only: per-instance rates the search starts from (default 0.85 and 1.15 x "
+                         "the fluid bound)")
     ap.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(POLICIES)}")
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--latency-profile", default=None, help="profile JSON (default: the H200 roofline model)")
@@ -374,9 +385,14 @@ def main(argv=None) -> None:
     pool = multiprocessing.get_context("fork").Pool(args.processes) if args.processes > 1 else None
     if args.scan_only:
         policies = list(plan.policies) if args.policies else ["polyserve"]
+        lam1 = bound.rate(1)
+        bracket = tuple(float(x) for x in args.scan_bracket.split(",")) if args.scan_bracket \
+            else (0.85 * lam1, 1.15 * lam1)
+        if len(bracket) != 2 or not 0 < bracket[0] < bracket[1]:
+            raise SystemExit(f"--scan-bracket wants LOW,HIGH with 0 < LOW < HIGH, got {args.scan_bracket!r}")
         try:
-            report["scan"] = run_scan(pool, plan, scan_setup, policies, {p: bound.rate(1) for p in policies},
-                                      co_budget, bound)
+            report["scan"] = run_scan(pool, plan, scan_setup, policies, {p: bracket for p in policies},
+                                      co_budget, bound, args.processes)
         finally:
             if pool is not None:
                 pool.close()
@@ -407,9 +423,11 @@ def main(argv=None) -> None:
 
         # 2. per-instance goodput over fleet sizes, PolyServe and the best baseline
         scan_policies = [p for p in ("polyserve", best_baseline["policy"] if best_baseline else None) if p]
-        # the comparison's short window flatters every policy a little: start the bisection from its figures
+        # the comparison's short window flatters every policy a little: start the search from its figures
         guesses = {s["policy"]: (s["goodput"] / plan.fleet) or 0.5 * bound.rate(1) for s in searches}
-        report["scan"] = run_scan(pool, plan, scan_setup, scan_policies, guesses, co_budget, bound)
+        report["scan"] = run_scan(pool, plan, scan_setup, scan_policies,
+                                  {p: (0.85 * g, 1.15 * g) for p, g in guesses.items()}, co_budget, bound,
+                                  args.processes)
 
         # 3. detail runs: per-tier latency at a common load; the autoscaled fleet through a phase change;
         #    the speed measurement; the calibration

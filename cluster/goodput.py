@@ -107,38 +107,58 @@ class GoodputSearch:
 
 
 def search_goodput(attainment_at: Callable[[float, int], float], seeds: Sequence[int], low: float, high: float,
-                   rel_tol: float = 0.03, target: float = ATTAINMENT_TARGET, max_probes: int = 16) -> GoodputSearch:
-    """Bisection for the highest rate whose attainment, averaged over `seeds`, is >= `target`.
+                   rel_tol: float = 0.03, target: float = ATTAINMENT_TARGET, max_probes: int = 16,
+                   width: int = 1, map_fn: Callable = map) -> GoodputSearch:
+    """Search for the highest rate whose attainment, averaged over `seeds`, is >= `target`.
 
     `attainment_at(rate, seed)` runs one simulation; it may answer NaN for a run it gave up on (certain to fail):
     the probe then fails. [low, high] is widened (halving low, doubling high) until low passes and high fails;
-    then bisected until high / low - 1 <= rel_tol. Attainment is treated as falling with the rate (it is, up to
-    noise: several seeds per probe keep the noise down)."""
+    then narrowed until high / low - 1 <= rel_tol. Attainment is treated as falling with the rate (it is, up to
+    noise: several seeds per probe keep the noise down).
+
+    `width` rates are probed per round, all their runs through `map_fn` (a process pool's `map` runs them at
+    once): the first round probes low and high together, each later one splits the bracket into width + 1 equal
+    parts on a log scale. width 1 is bisection (low first, then high)."""
     if not (0 < low < high) or not seeds:
         raise ValueError("need 0 < low < high and at least one seed")
+    if width < 1:
+        raise ValueError(f"width must be at least 1, got {width}")
     probes: list[Probe] = []
+    passed: dict[float, bool] = {}
 
-    def probe(rate: float) -> bool:
-        per_seed = tuple(attainment_at(rate, s) for s in seeds)
-        p = Probe(rate, float(np.mean(per_seed)), per_seed)
-        probes.append(p)
-        return p.attainment >= target
+    def probe(rates: list[float]) -> None:
+        rates = rates[:max_probes - len(probes)]
+        runs = list(map_fn(_run_one, [(attainment_at, rate, seed) for rate in rates for seed in seeds]))
+        for i, rate in enumerate(rates):
+            per_seed = tuple(runs[i * len(seeds):(i + 1) * len(seeds)])
+            p = Probe(rate, float(np.mean(per_seed)), per_seed)
+            probes.append(p)
+            passed[rate] = p.attainment >= target
 
-    while not probe(low):
-        low /= 2
-        if len(probes) >= max_probes or low < 1e-6:
-            return GoodputSearch(0.0, tuple(probes))
-    while probe(high):
-        low, high = high, high * 2
-        if len(probes) >= max_probes:
-            return GoodputSearch(low, tuple(probes))
-    while high / low - 1 > rel_tol and len(probes) < max_probes:
-        mid = math.sqrt(low * high)
-        if probe(mid):
-            low = mid
-        else:
-            high = mid
-    return GoodputSearch(low, tuple(probes))
+    probe([low, high] if width > 1 else [low])
+    while len(probes) < max_probes:
+        ok = [r for r, good in passed.items() if good]
+        if not ok:  # even the lowest rate fails
+            lowest = min(passed)
+            if lowest / 2 < 1e-6:
+                break
+            probe([lowest / 2 ** (i + 1) for i in range(width)])
+            continue
+        lo = max(ok)
+        above = [r for r, good in passed.items() if not good and r > lo]
+        if not above:  # nothing above the best passing rate failed yet
+            probe([high] if high not in passed else [lo * 2 ** (i + 1) for i in range(width)])
+            continue
+        hi = min(above)
+        if hi / lo - 1 <= rel_tol:
+            break
+        probe([lo * (hi / lo) ** ((i + 1) / (width + 1)) for i in range(width)])
+    return GoodputSearch(max((r for r, good in passed.items() if good), default=0.0), tuple(probes))
+
+
+def _run_one(job: tuple[Callable[[float, int], float], float, int]) -> float:
+    attainment_at, rate, seed = job
+    return attainment_at(rate, seed)
 
 
 def autoscaled_goodput(num_attained: int, instance_seconds: float) -> float:

@@ -153,3 +153,30 @@ def test_search_finds_the_threshold():
     assert 80.0 / 1.01 <= given_up.goodput <= 80.0
     nothing = search_goodput(lambda r, s: 0.0, seeds=(1,), low=1.0, high=2.0, max_probes=4)
     assert nothing.goodput == 0.0
+
+
+def test_search_probes_several_rates_per_round():
+    rounds = []
+
+    def batch_map(fn, jobs):  # a pool's map: records which runs go out together
+        jobs = list(jobs)
+        rounds.append(sorted({rate for _, rate, _ in jobs}))
+        return [fn(j) for j in jobs]
+
+    def attainment(rate, seed):
+        return 0.95 if rate <= 123.0 else 0.5
+
+    found = search_goodput(attainment, seeds=(1, 2), low=50.0, high=200.0, rel_tol=0.01, width=3, map_fn=batch_map)
+    assert 123.0 / 1.01 <= found.goodput <= 123.0
+    assert rounds[0] == [50.0, 200.0] and all(len(r) == 3 for r in rounds[1:])
+    assert len(found.probes) == 2 + 3 * (len(rounds) - 1)
+    # each later round splits the bracket into four equal parts (log scale) around what the rounds before found
+    lo, hi = 50.0, 200.0
+    for rates in rounds[1:]:
+        assert rates == pytest.approx([lo * (hi / lo) ** (i / 4) for i in (1, 2, 3)])
+        lo = max([lo] + [r for r in rates if r <= 123.0])
+        hi = min([hi] + [r for r in rates if r > 123.0])
+    bisection = search_goodput(attainment, seeds=(1, 2), low=50.0, high=200.0, rel_tol=0.01)
+    assert len(rounds) < len(bisection.probes)  # fewer rounds than bisection's one probe per round
+    with pytest.raises(ValueError, match="width"):
+        search_goodput(attainment, seeds=(1,), low=1.0, high=2.0, width=0)
