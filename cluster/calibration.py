@@ -8,17 +8,29 @@ Two clocks for the engine:
 - real: the executor sleeps the predicted time (scaled down so a run takes seconds) and the engine reads
   time.monotonic, host overhead and sleep jitter included: the comparison the issue asks for (attainment within a
   few points, similar latency distributions).
+
+`replay_on_fleet` does the same for a whole fleet: emulated engine processes (cluster.worker) behind the live
+router service (cluster/service.py), the workload's requests sent through it in real time, against the simulator
+with as many instances.
 """
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from cluster import protocol
+from cluster.launcher import LocalLauncher
+from cluster.router import Router
+from cluster.service import RouterService
 from cluster.workload import REFUSED, Workload
+from engine.api_server import freeze_startup_heap
 from engine.config import EngineConfig
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
@@ -89,7 +101,6 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
                           enable_prefix_caching=False, max_num_seqs=1 << 20, max_num_batched_tokens=1 << 20)
     engine = build_engine(config, policy, step_time)
     tiers = workload.tiers
-    vocab = 1000
     n = len(workload)
     arrivals = workload.arrivals.tolist()
     t0 = time.monotonic()
@@ -111,7 +122,7 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
         while i < n and arrivals[i] <= t:
             k = int(workload.tier_index[i])
             if k != REFUSED:
-                prompt = [(i * 7919 + j) % vocab for j in range(int(workload.prompt_lens[i]))]
+                prompt = _distinct_prompt(i, int(workload.prompt_lens[i]))
                 params = SamplingParams(max_tokens=int(workload.output_lens[i]), ignore_eos=True)
                 engine.add_request(f"r{i}", prompt, params, slo=tiers[k].slo, arrival=arrivals[i])
                 ids[f"r{i}"] = i
@@ -134,12 +145,111 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
                 time.sleep(max(0.0, arrivals[i] - now()))
                 gaps.append(now() - arrivals[i])  # a late wake-up delays the arrival like a gap between steps
     const, per_seq = host_overhead(engine.step_stats, model)
-    stall = 0.0
-    if clock == "real":
-        unexplained = [s.duration - model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens)
-                       - const - per_seq * s.num_seqs for s in engine.step_stats]
-        stall = sum(x - STALL_THRESHOLD_S for x in unexplained + gaps if x > STALL_THRESHOLD_S)
+    stall = _stall(engine.step_stats, model, const, per_seq, gaps) if clock == "real" else 0.0
     return EngineReplay(token_times, steps, time.monotonic() - t0, const, per_seq, stall)
+
+
+def _distinct_prompt(i: int, length: int) -> list[int]:
+    """Request i's prompt: token ids no other request's prompt starts with (no prefix-cache hits, which the
+    simulator does not model)."""
+    return [(i * 7919 + j) % 1000 for j in range(length)]
+
+
+@dataclass(slots=True, frozen=True)
+class FleetReplay:
+    """Emit times (seconds from the workload's start, on the router's clock) of every request's tokens, workload
+    order; None: refused at admission, or ended without its whole output (counted in `failed`)."""
+    token_times: list[list[float] | None]
+    failed: int
+    wall_s: float
+    steps: dict[str, int]  # steps each engine reported
+    # as EngineReplay's, fitted to the step reports of every engine
+    step_overhead_s: float
+    step_overhead_per_seq_s: float
+    # the engines' steps (their gaps between steps are not reported) and the router's event loop late by over
+    # STALL_THRESHOLD_S
+    stall_s: float
+
+
+class _ReportKeepingService(RouterService):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_reports: list[protocol.StepReport] = []
+        self.steps: Counter[str] = Counter()
+
+    def _on_message(self, link, msg) -> None:
+        if isinstance(msg, protocol.StepReport):
+            self.step_reports.append(msg)
+            self.steps[link.instance_id] += 1
+        super()._on_message(link, msg)
+
+
+async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: int, model_folder: str,
+                          num_kv_blocks: int, *, max_num_seqs: int, max_num_batched_tokens: int,
+                          max_prefill_chunk: int, model: LatencyModel) -> FleetReplay:
+    """Runs `workload` through a live fleet: `num_instances` emulated engine processes (each sleeping `model`, the
+    emulated latency model at `time_scale`, per step; batch policy PolyServe), attached to a RouterService whose
+    Router (policy polyserve, no autoscaler: the fleet is fixed, as in the simulator) places every request. Each
+    request is sent at its arrival with max_tokens = its output length (ignore_eos), so it ends exactly there."""
+    router = Router(workload.tiers, model, max_prefill_chunk=max_prefill_chunk,
+                    expected_output_tokens=float(workload.output_lens.mean()) if len(workload) else 128.0)
+    launcher = LocalLauncher(["--executor", "emulated", "--model", model_folder, "--num-kv-blocks",
+                              str(num_kv_blocks), "--time-scale", str(time_scale), "--max-num-seqs",
+                              str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)])
+    service = _ReportKeepingService(router, launcher=launcher, heartbeat_timeout_s=10.0)
+    await service.start()
+    n = len(workload)
+    token_times: list[list[float] | None] = [None] * n
+    failed = 0
+    try:
+        for k in range(num_instances):
+            await service.attach(*await launcher.start(f"engine-{k}"))
+        freeze_startup_heap()  # as cluster.serve does once it serves (undone below: this may be a test's process)
+        t0 = time.monotonic()  # the service's clock
+
+        async def send(i: int) -> None:
+            nonlocal failed
+            tier = workload.tiers[int(workload.tier_index[i])]
+            out = int(workload.output_lens[i])
+            await asyncio.sleep(max(0.0, t0 + float(workload.arrivals[i]) - time.monotonic()))
+            last = None
+            try:
+                async for last in service.generate(f"r{i}", _distinct_prompt(i, int(workload.prompt_lens[i])),
+                                                   SamplingParams(max_tokens=out, ignore_eos=True), tier.slo,
+                                                   t0 + float(workload.arrivals[i])):
+                    pass
+            except Exception:
+                failed += 1
+                return
+            if last is None or last.finish_reason != "length" or len(last.token_times) != out:
+                failed += 1
+                return
+            token_times[i] = [t - t0 for t in last.token_times]
+
+        async def watch(period: float = 0.01) -> None:  # the router's own process held up
+            while True:
+                t = time.monotonic()
+                await asyncio.sleep(period)
+                lags.append(time.monotonic() - t - period)
+
+        lags: list[float] = []
+        watcher = asyncio.get_running_loop().create_task(watch())
+        await asyncio.gather(*(send(i) for i in range(n) if workload.tier_index[i] != REFUSED))
+        wall = time.monotonic() - t0
+        watcher.cancel()
+    finally:
+        await service.stop()
+        gc.unfreeze()
+    const, per_seq = host_overhead(service.step_reports, model)
+    return FleetReplay(token_times, failed, wall, dict(service.steps), const, per_seq,
+                       _stall(service.step_reports, model, const, per_seq, lags))
+
+
+def _stall(stats, model: LatencyModel, const: float, per_seq: float, gaps: list[float]) -> float:
+    """Time no fit explains: steps more than STALL_THRESHOLD_S over the model plus the fit, and `gaps` over it."""
+    unexplained = [s.duration - model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens)
+                   - const - per_seq * s.num_seqs for s in stats]
+    return sum(x - STALL_THRESHOLD_S for x in unexplained + gaps if x > STALL_THRESHOLD_S)
 
 
 def host_overhead(stats, model: LatencyModel) -> tuple[float, float]:

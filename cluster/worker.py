@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from cluster import protocol as p
 from cluster.emulation import ScaledLatencyModel, emulated_latency_model, kv_blocks_for_gpu
+from engine.api_server import freeze_startup_heap
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import Engine, InvalidRequestError, RequestOutput
@@ -313,6 +314,7 @@ async def _main(args: argparse.Namespace) -> None:
     port = await worker.start(args.host, args.port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, worker.drain)
+    freeze_startup_heap()
     print(f"READY {port}", flush=True)
     await worker.done.wait()
 

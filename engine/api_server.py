@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import signal
@@ -322,6 +323,16 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     return runner, runner.addresses[0][1]
 
 
+def freeze_startup_heap() -> None:
+    """Takes every object alive now (model, tokenizer, modules: what lives as long as the process) out of the
+    garbage collector's walks, so that a full collection while serving walks only what serving allocated: its pause
+    stays short. In a test process (thousands of objects from imports and fixtures) one full collection held the
+    router's event loop for ~120 ms mid-run, delaying every stream. vLLM freezes its heap after warm-up
+    (`freeze_gc_heap`), SGLang offers the same (`freeze_gc`)."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve_forever(app: web.Application, host: str, port: int) -> None:
     """Serves until SIGINT or SIGTERM, then shuts the app (and its backend) down. Call from the main thread."""
     stop = asyncio.Event()
@@ -329,6 +340,7 @@ async def serve_forever(app: web.Application, host: str, port: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     runner, bound = await start_site(app, host, port)
+    freeze_startup_heap()
     log.info("serving on http://%s:%d", host, bound)
     try:
         await stop.wait()
