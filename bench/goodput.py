@@ -26,7 +26,8 @@ Prints (and writes to <out>/goodput.json): the fluid bound per tier; goodput of 
 --fleet-sizes for PolyServe and the best baseline (a longer window, and seeds enough for --scan-instance-runs
 instance-runs per probe: see `Plan`); the autoscaled fleet through a phase change (the tier mix
 inverts mid-run), attaining requests per instance-second; per-tier TTFT/TPOT percentiles; the time to simulate
-one hour of the trace at 64 instances; the engine-versus-simulator calibration. Plots (PNG) go to <out>.
+one hour of the trace at 64 instances; the engine-versus-simulator calibration, one engine in-process and a fleet of
+engine processes through the live router. Plots (PNG) go to <out>.
 Figures are virtual-time results of the simulator; wall times are this machine's CPU.
 """
 from __future__ import annotations
@@ -237,6 +238,45 @@ def run_calibration(args: tuple) -> dict:
     return out
 
 
+def run_fleet_calibration(setup: Setup, time_scale: float, num_instances: int, load: float, duration: float,
+                          seed: int = 7) -> dict:
+    """The same workload through a live fleet (`num_instances` emulated engine processes behind the router
+    service, cluster.calibration.replay_on_fleet) and in the simulator with as many instances, the engines' host
+    time per step added. Run alone: the engines sleep in real time and share this machine's cores."""
+    import asyncio
+    import dataclasses
+
+    from cluster.calibration import attained, replay_on_fleet, write_emulated_model_folder
+
+    model = emulated_latency_model(time_scale)
+    tiers = default_tiers(model)
+    cfg = SimConfig(num_instances=num_instances, reveal_output_len=True)
+    factory = WorkloadFactory(load_trace(setup.trace), tiers, model, cfg.kv_blocks * cfg.block_size,
+                              cfg.max_prefill_chunk, TierMix(setup.mix))
+    rate = load * setup.bound().rate(num_instances) / time_scale
+    w = factory.poisson(rate, duration, seed)
+    with tempfile.TemporaryDirectory() as folder:
+        live = asyncio.run(replay_on_fleet(
+            w, time_scale, num_instances, write_emulated_model_folder(folder), cfg.kv_blocks,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_prefill_chunk=cfg.max_prefill_chunk, model=model))
+    sim = Simulator(dataclasses.replace(cfg, step_overhead_s=live.step_overhead_s,
+                                        step_overhead_per_seq_s=live.step_overhead_per_seq_s), tiers, model).run(w)
+    live_attained = attained(w, live.token_times)
+    out = {"time_scale": time_scale, "instances": num_instances, "load": load, "rate": rate, "requests": len(w),
+           "failed": live.failed, "live_attainment": float(live_attained.mean()), "sim_attainment": sim.attainment(),
+           "step_overhead_s": live.step_overhead_s, "step_overhead_per_seq_s": live.step_overhead_per_seq_s,
+           "live_wall_s": live.wall_s, "live_stall_s": live.stall_s, "tiers": {}}
+    for k, tier in enumerate(tiers):
+        idx = np.flatnonzero((w.tier_index == k) & np.array([t is not None for t in live.token_times]))
+        times = [live.token_times[i] for i in idx]
+        out["tiers"][tier.name] = {
+            "live_ttft": [t[0] - w.arrivals[i] for i, t in zip(idx, times)],
+            "live_tpot": [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1],
+            "sim_ttft": sim.ttft[idx].tolist(), "sim_tpot": sim.mean_tpot[idx][~np.isnan(sim.mean_tpot[idx])].tolist()}
+    return out
+
+
 # ---- orchestration --------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Plan:
@@ -258,6 +298,7 @@ class Plan:
     autoscale_duration: float
     speed_duration: float | None
     calibration: tuple[float, float, float]  # time scale, rate per second of scaled time, duration
+    fleet_calibration: tuple[float, int, float, float] = (2.0, 4, 0.8, 8.0)  # time scale, instances, load, duration
     policies: tuple[str, ...] = POLICIES
     notes: list[str] = field(default_factory=list)
 
@@ -488,6 +529,20 @@ def main(argv=None) -> None:
               f"{_pct(np.array(t['sim_ttft']) * 1000, 50):7.1f} ms; TPOT p50 live "
               f"{_pct(np.array(t['live_tpot']) * 1000, 50):6.2f} ms sim {_pct(np.array(t['sim_tpot']) * 1000, 50):6.2f} ms;"
               f" attained live {t['live_attained']:.0%} sim {t['sim_attained']:.0%}")
+
+    fleet = report["fleet_calibration"] = run_fleet_calibration(setup, *plan.fleet_calibration)
+    print(f"\nCalibration through the live router: {fleet['instances']} emulated engine processes behind the router "
+          f"service, latency model x{fleet['time_scale']}, {fleet['rate']:.1f} req/s ({fleet['load']:g} x the fluid "
+          f"bound), {fleet['requests']} requests ({fleet['failed']} failed): attaining live "
+          f"{fleet['live_attainment']:.1%}, simulator with the engines' host time "
+          f"({fleet['step_overhead_s'] * 1000:.2f} ms + {fleet['step_overhead_per_seq_s'] * 1e6:.1f} us per sequence) "
+          f"{fleet['sim_attainment']:.1%}; stalls {fleet['live_stall_s']:.2f} s of {fleet['live_wall_s']:.1f} s")
+    print(f"  {'tier':8} {'TTFT p50 ms live/sim':>22} {'TTFT p90':>16} {'TPOT p50 live/sim':>20} {'TPOT p90':>14}")
+    for name, t in fleet["tiers"].items():
+        lt, st = np.array(t["live_ttft"]) * 1000, np.array(t["sim_ttft"]) * 1000
+        lp, sp = np.array(t["live_tpot"]) * 1000, np.array(t["sim_tpot"]) * 1000
+        print(f"  {name:8} {_pct(lt, 50):10.1f} / {_pct(st, 50):7.1f} {_pct(lt, 90):7.1f} / {_pct(st, 90):6.1f} "
+              f"{_pct(lp, 50):10.2f} / {_pct(sp, 50):6.2f} {_pct(lp, 90):6.2f} / {_pct(sp, 90):5.2f}")
     report["wall_s"] = time.perf_counter() - t_start
     (out_dir / "goodput.json").write_text(json.dumps(_rounded(report), default=_json_default))
     write_plots(report, out_dir)
