@@ -16,6 +16,7 @@ with as many instances.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import time
@@ -112,41 +113,56 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
 
         def now() -> float:
             return time.monotonic() - t0
-    token_times: list[list[float] | None] = [None] * n
-    ids: dict[str, int] = {}
-    i = steps = 0
-    gaps: list[float] = []  # from one step's end to the next step's start, the engine busy throughout
-    last_step_end: float | None = None
-    while i < n or engine.has_unfinished():
-        t = now()
-        while i < n and arrivals[i] <= t:
-            k = int(workload.tier_index[i])
-            if k != REFUSED:
-                prompt = _distinct_prompt(i, int(workload.prompt_lens[i]))
-                params = SamplingParams(max_tokens=int(workload.output_lens[i]), ignore_eos=True)
-                engine.add_request(f"r{i}", prompt, params, slo=tiers[k].slo, arrival=arrivals[i])
-                ids[f"r{i}"] = i
-            i += 1
-        if engine.has_unfinished():
-            if last_step_end is not None:
-                gaps.append(now() - last_step_end)
-            for out in engine.step():
-                if out.finished:
-                    token_times[ids[out.request_id]] = list(out.token_times)
-            steps += 1
-            last_step_end = now()
-            if steps > max_steps:
-                raise RuntimeError(f"the engine did not finish the workload within {max_steps} steps")
-        elif i < n:
-            last_step_end = None
-            if clock == "virtual":
-                virtual.now = arrivals[i]
-            else:
-                time.sleep(max(0.0, arrivals[i] - now()))
-                gaps.append(now() - arrivals[i])  # a late wake-up delays the arrival like a gap between steps
+    with _heap_frozen(clock == "real"):  # as a serving engine's (engine.serve freezes it once serving)
+        token_times: list[list[float] | None] = [None] * n
+        ids: dict[str, int] = {}
+        i = steps = 0
+        gaps: list[float] = []  # from one step's end to the next step's start, the engine busy throughout
+        last_step_end: float | None = None
+        while i < n or engine.has_unfinished():
+            t = now()
+            while i < n and arrivals[i] <= t:
+                k = int(workload.tier_index[i])
+                if k != REFUSED:
+                    prompt = _distinct_prompt(i, int(workload.prompt_lens[i]))
+                    params = SamplingParams(max_tokens=int(workload.output_lens[i]), ignore_eos=True)
+                    engine.add_request(f"r{i}", prompt, params, slo=tiers[k].slo, arrival=arrivals[i])
+                    ids[f"r{i}"] = i
+                i += 1
+            if engine.has_unfinished():
+                if last_step_end is not None:
+                    gaps.append(now() - last_step_end)
+                for out in engine.step():
+                    if out.finished:
+                        token_times[ids[out.request_id]] = list(out.token_times)
+                steps += 1
+                last_step_end = now()
+                if steps > max_steps:
+                    raise RuntimeError(f"the engine did not finish the workload within {max_steps} steps")
+            elif i < n:
+                last_step_end = None
+                if clock == "virtual":
+                    virtual.now = arrivals[i]
+                else:
+                    time.sleep(max(0.0, arrivals[i] - now()))
+                    gaps.append(now() - arrivals[i])  # a late wake-up delays the arrival like a gap between steps
     const, per_seq = host_overhead(engine.step_stats, model)
     stall = _stall(engine.step_stats, model, const, per_seq, gaps) if clock == "real" else 0.0
     return EngineReplay(token_times, steps, time.monotonic() - t0, const, per_seq, stall)
+
+
+@contextlib.contextmanager
+def _heap_frozen(freeze: bool = True):
+    """The heap as it is now out of the garbage collector's walks while the block runs (then given back: the caller
+    may be a test's process)."""
+    if not freeze:
+        yield
+        return
+    freeze_startup_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _distinct_prompt(i: int, length: int) -> list[int]:
