@@ -199,9 +199,7 @@ def run_speed(args: tuple) -> dict:
 def run_calibration(args: tuple) -> dict:
     """The same workload on one emulated engine in real time and in the simulator (time-scaled latency model):
     the simulator as is, and with the engine's measured host time per step added to every step."""
-    import dataclasses
-
-    from cluster.calibration import attained, replay_on_engine, write_emulated_model_folder
+    from cluster.calibration import attained, replay_on_engine, simulated_with_host_time, write_emulated_model_folder
     from cluster.emulation import ScaledLatencyModel
     from scheduler.polyserve import PolyServePolicy
 
@@ -218,8 +216,7 @@ def run_calibration(args: tuple) -> dict:
                                  cfg.max_prefill_chunk)
         live = replay_on_engine(w, model, policy, write_emulated_model_folder(folder), cfg.kv_blocks, clock="real")
     raw = Simulator(cfg, tiers, model).run(w)
-    sim = Simulator(dataclasses.replace(cfg, step_overhead_s=live.step_overhead_s,
-                                        step_overhead_per_seq_s=live.step_overhead_per_seq_s), tiers, model).run(w)
+    sim = simulated_with_host_time(cfg, tiers, model, w, live)
     live_attained = attained(w, live.token_times)
     out = {"time_scale": time_scale, "rate": rate, "requests": len(w), "step_overhead_s": live.step_overhead_s,
            "step_overhead_per_seq_s": live.step_overhead_per_seq_s,
@@ -228,14 +225,23 @@ def run_calibration(args: tuple) -> dict:
            "tiers": {}}
     for k, tier in enumerate(tiers):
         idx = np.flatnonzero(w.tier_index == k)
-        times = [live.token_times[i] for i in idx]
         out["tiers"][tier.name] = {
-            "live_ttft": [t[0] - w.arrivals[i] for i, t in zip(idx, times)],
-            "live_tpot": [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1],
-            "sim_ttft": sim.ttft[idx].tolist(), "sim_tpot": sim.mean_tpot[idx][~np.isnan(sim.mean_tpot[idx])].tolist(),
-            "raw_ttft": raw.ttft[idx].tolist(), "raw_tpot": raw.mean_tpot[idx][~np.isnan(raw.mean_tpot[idx])].tolist(),
+            **_live_latencies(w, live.token_times, idx), **_sim_latencies(sim, idx, "sim"),
+            **_sim_latencies(raw, idx, "raw"),
             "live_attained": float(live_attained[idx].mean()), "sim_attained": float(sim.attained[idx].mean())}
     return out
+
+
+def _live_latencies(w, token_times: list[list[float] | None], idx: np.ndarray) -> dict:
+    """TTFT and mean TPOT (seconds) of the requests `idx` of a live run, every one of which finished."""
+    times = [token_times[i] for i in idx]
+    return {"live_ttft": [t[0] - w.arrivals[i] for i, t in zip(idx, times)],
+            "live_tpot": [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]}
+
+
+def _sim_latencies(res: SimResult, idx: np.ndarray, prefix: str) -> dict:
+    tpot = res.mean_tpot[idx]
+    return {f"{prefix}_ttft": res.ttft[idx].tolist(), f"{prefix}_tpot": tpot[~np.isnan(tpot)].tolist()}
 
 
 def run_fleet_calibration(setup: Setup, time_scale: float, num_instances: int, load: float, duration: float,
@@ -244,9 +250,8 @@ def run_fleet_calibration(setup: Setup, time_scale: float, num_instances: int, l
     service, cluster.calibration.replay_on_fleet) and in the simulator with as many instances, the engines' host
     time per step added. Run alone: the engines sleep in real time and share this machine's cores."""
     import asyncio
-    import dataclasses
 
-    from cluster.calibration import attained, replay_on_fleet, write_emulated_model_folder
+    from cluster.calibration import attained, replay_on_fleet, simulated_with_host_time, write_emulated_model_folder
 
     model = emulated_latency_model(time_scale)
     tiers = default_tiers(model)
@@ -260,8 +265,7 @@ def run_fleet_calibration(setup: Setup, time_scale: float, num_instances: int, l
             w, time_scale, num_instances, write_emulated_model_folder(folder), cfg.kv_blocks,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_prefill_chunk=cfg.max_prefill_chunk, model=model))
-    sim = Simulator(dataclasses.replace(cfg, step_overhead_s=live.step_overhead_s,
-                                        step_overhead_per_seq_s=live.step_overhead_per_seq_s), tiers, model).run(w)
+    sim = simulated_with_host_time(cfg, tiers, model, w, live)
     live_attained = attained(w, live.token_times)
     out = {"time_scale": time_scale, "instances": num_instances, "load": load, "rate": rate, "requests": len(w),
            "failed": live.failed, "live_attainment": float(live_attained.mean()), "sim_attainment": sim.attainment(),
@@ -269,11 +273,7 @@ def run_fleet_calibration(setup: Setup, time_scale: float, num_instances: int, l
            "live_wall_s": live.wall_s, "live_stall_s": live.stall_s, "tiers": {}}
     for k, tier in enumerate(tiers):
         idx = np.flatnonzero((w.tier_index == k) & np.array([t is not None for t in live.token_times]))
-        times = [live.token_times[i] for i in idx]
-        out["tiers"][tier.name] = {
-            "live_ttft": [t[0] - w.arrivals[i] for i, t in zip(idx, times)],
-            "live_tpot": [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1],
-            "sim_ttft": sim.ttft[idx].tolist(), "sim_tpot": sim.mean_tpot[idx][~np.isnan(sim.mean_tpot[idx])].tolist()}
+        out["tiers"][tier.name] = {**_live_latencies(w, live.token_times, idx), **_sim_latencies(sim, idx, "sim")}
     return out
 
 

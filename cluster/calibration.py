@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import time
@@ -30,6 +31,7 @@ from cluster import protocol
 from cluster.launcher import LocalLauncher
 from cluster.router import Router
 from cluster.service import RouterService
+from cluster.simulator import SimConfig, SimResult, Simulator
 from cluster.workload import REFUSED, Workload
 from engine.api_server import freeze_startup_heap
 from engine.config import EngineConfig
@@ -78,8 +80,8 @@ class EngineReplay:
     step_overhead_per_seq_s: float
     # real clock: time that neither the model nor the fit explains (steps more than 1 ms over the fit, gaps over
     # 1 ms between busy steps, wake-ups for an arrival over 1 ms late): the CPU held by another process, or this
-    # one paused. No simulator can know of it,
-    # so a run with much of it says nothing about the simulator. 0 on the virtual clock.
+    # one paused. No simulator can know of it, so a run with much of it says nothing about the simulator. 0 on
+    # the virtual clock.
     stall_s: float = 0.0
 
 
@@ -106,7 +108,7 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
     arrivals = workload.arrivals.tolist()
     # the heap frozen as a serving engine's (engine.serve freezes it once serving), before the clock starts: the
     # full collection that freezing takes would otherwise delay the first arrivals (~0.1 s in a test suite's process)
-    with _heap_frozen(clock == "real"):
+    with _heap_frozen() if clock == "real" else contextlib.nullcontext():
         t0 = time.monotonic()
         if clock == "virtual":
             engine.clock = virtual
@@ -148,18 +150,13 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
                 else:
                     time.sleep(max(0.0, arrivals[i] - now()))
                     gaps.append(now() - arrivals[i])  # a late wake-up delays the arrival like a gap between steps
-    const, per_seq = host_overhead(engine.step_stats, model)
-    stall = _stall(engine.step_stats, model, const, per_seq, gaps) if clock == "real" else 0.0
-    return EngineReplay(token_times, steps, time.monotonic() - t0, const, per_seq, stall)
+    return EngineReplay(token_times, steps, time.monotonic() - t0, *host_time(engine.step_stats, model, gaps))
 
 
 @contextlib.contextmanager
-def _heap_frozen(freeze: bool = True):
-    """The heap as it is now out of the garbage collector's walks while the block runs (then given back: the caller
-    may be a test's process)."""
-    if not freeze:
-        yield
-        return
+def _heap_frozen():
+    """The heap as it is now out of the garbage collector's walks while the block runs, as in a serving process
+    (then given back: the caller may be a test's process)."""
     freeze_startup_heap()
     try:
         yield
@@ -216,74 +213,84 @@ async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: 
                               str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)])
     service = _ReportKeepingService(router, launcher=launcher, heartbeat_timeout_s=10.0)
     await service.start()
-    n = len(workload)
-    token_times: list[list[float] | None] = [None] * n
-    failed = 0
     try:
         for k in range(num_instances):
             await service.attach(*await launcher.start(f"engine-{k}"))
-        freeze_startup_heap()  # as cluster.serve does once it serves (undone below: this may be a test's process)
-        t0 = time.monotonic()  # the service's clock
-
-        async def send(i: int) -> None:
-            nonlocal failed
-            tier = workload.tiers[int(workload.tier_index[i])]
-            out = int(workload.output_lens[i])
-            await asyncio.sleep(max(0.0, t0 + float(workload.arrivals[i]) - time.monotonic()))
-            last = None
-            try:
-                async for last in service.generate(f"r{i}", _distinct_prompt(i, int(workload.prompt_lens[i])),
-                                                   SamplingParams(max_tokens=out, ignore_eos=True), tier.slo,
-                                                   t0 + float(workload.arrivals[i])):
-                    pass
-            except Exception:
-                failed += 1
-                return
-            if last is None or last.finish_reason != "length" or len(last.token_times) != out:
-                failed += 1
-                return
-            token_times[i] = [t - t0 for t in last.token_times]
-
-        async def watch(period: float = 0.01) -> None:  # the router's own process held up
-            while True:
-                t = time.monotonic()
-                await asyncio.sleep(period)
-                lags.append(time.monotonic() - t - period)
-
-        lags: list[float] = []
-        watcher = asyncio.get_running_loop().create_task(watch())
-        await asyncio.gather(*(send(i) for i in range(n) if workload.tier_index[i] != REFUSED))
-        wall = time.monotonic() - t0
-        watcher.cancel()
+        with _heap_frozen():
+            token_times, failed, wall, lags = await _send_all(service, workload)
     finally:
         await service.stop()
-        gc.unfreeze()
-    const, per_seq = host_overhead(service.step_reports, model)
-    return FleetReplay(token_times, failed, wall, dict(service.steps), const, per_seq,
-                       _stall(service.step_reports, model, const, per_seq, lags))
+    return FleetReplay(token_times, failed, wall, dict(service.steps),
+                       *host_time(service.step_reports, model, lags))
 
 
-def _stall(stats, model: LatencyModel, const: float, per_seq: float, gaps: list[float]) -> float:
-    """Time no fit explains: steps more than STALL_THRESHOLD_S over the model plus the fit, and `gaps` over it."""
-    unexplained = [s.duration - model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens)
-                   - const - per_seq * s.num_seqs for s in stats]
-    return sum(x - STALL_THRESHOLD_S for x in unexplained + gaps if x > STALL_THRESHOLD_S)
+async def _send_all(service: RouterService, workload: Workload) -> tuple[list[list[float] | None], int, float,
+                                                                          list[float]]:
+    """Every request through `service` at its arrival; the token times, the failures, the wall time, and how late
+    the event loop woke up every 10 ms (the router's own process held up)."""
+    n = len(workload)
+    token_times: list[list[float] | None] = [None] * n
+    failed = 0
+    t0 = time.monotonic()  # the service's clock
+
+    async def send(i: int) -> None:
+        nonlocal failed
+        tier = workload.tiers[int(workload.tier_index[i])]
+        out = int(workload.output_lens[i])
+        await asyncio.sleep(max(0.0, t0 + float(workload.arrivals[i]) - time.monotonic()))
+        last = None
+        try:
+            async for last in service.generate(f"r{i}", _distinct_prompt(i, int(workload.prompt_lens[i])),
+                                               SamplingParams(max_tokens=out, ignore_eos=True), tier.slo,
+                                               t0 + float(workload.arrivals[i])):
+                pass
+        except Exception:
+            failed += 1
+            return
+        if last is None or last.finish_reason != "length" or len(last.token_times) != out:
+            failed += 1
+            return
+        token_times[i] = [t - t0 for t in last.token_times]
+
+    async def watch(period: float = 0.01) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(period)
+            lags.append(time.monotonic() - t - period)
+
+    lags: list[float] = []
+    watcher = asyncio.get_running_loop().create_task(watch())
+    await asyncio.gather(*(send(i) for i in range(n) if workload.tier_index[i] != REFUSED))
+    wall = time.monotonic() - t0
+    watcher.cancel()
+    return token_times, failed, wall, lags
 
 
-def host_overhead(stats, model: LatencyModel) -> tuple[float, float]:
-    """(constant, per sequence) fit of what the engine's steps took beyond the model's prediction."""
+def host_time(stats, model: LatencyModel, gaps: list[float] = ()) -> tuple[float, float, float]:
+    """What steps took beyond the model's prediction: a (constant, per sequence) fit, and the stall, the time the
+    fit does not explain (steps more than STALL_THRESHOLD_S over it, and `gaps` longer than that)."""
     if len(stats) < 2:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     extra = np.array([s.duration - model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens)
                       for s in stats])
     seqs = np.array([s.num_seqs for s in stats], dtype=float)
     a = np.vstack([np.ones_like(seqs), seqs]).T
     const, per_seq = np.linalg.lstsq(a, extra, rcond=None)[0]
     if per_seq < 0:
-        return max(float(extra.mean()), 0.0), 0.0
-    if const < 0:
-        return 0.0, float(max(np.dot(seqs, extra) / np.dot(seqs, seqs), 0.0))
-    return float(const), float(per_seq)
+        const, per_seq = max(float(extra.mean()), 0.0), 0.0
+    elif const < 0:
+        const, per_seq = 0.0, float(max(np.dot(seqs, extra) / np.dot(seqs, seqs), 0.0))
+    unexplained = np.concatenate([extra - const - per_seq * seqs, np.asarray(gaps, dtype=float)])
+    stall = float((unexplained[unexplained > STALL_THRESHOLD_S] - STALL_THRESHOLD_S).sum())
+    return float(const), float(per_seq), stall
+
+
+def simulated_with_host_time(config: SimConfig, tiers, model: LatencyModel, workload: Workload,
+                             replay: EngineReplay | FleetReplay) -> SimResult:
+    """The simulator on `workload` with `replay`'s fitted host time added to every step."""
+    return Simulator(dataclasses.replace(config, step_overhead_s=replay.step_overhead_s,
+                                         step_overhead_per_seq_s=replay.step_overhead_per_seq_s),
+                     tiers, model).run(workload)
 
 
 def attained(workload: Workload, token_times: list[list[float] | None]) -> np.ndarray:

@@ -167,8 +167,7 @@ class AttainabilityChecker:
         if first > first_deadline:
             return False
         r_kv = r_tokens - iterations if r_tokens > iterations else 0
-        capacity = kv_capacity_tokens
-        if kv_residents + r_kv > capacity:  # what the batch holds as r's first token is out
+        if kv_residents + r_kv > kv_capacity_tokens:  # what the batch holds as r's first token is out
             return False
         # continuity next: in a busy fleet it is what refuses most instances that could start r's prefill in time
         # (in the simulator at 64 instances, two checks in three), so the figures after it are mostly not needed
@@ -182,9 +181,9 @@ class AttainabilityChecker:
             return False
         r_left = max(min(math.ceil(lengths.mean(request.tier)), request.max_tokens) - request.num_output_tokens, 1)
         bound = summary.peak_bound(iterations + r_left, r_kv)
-        if bound is None or bound[0] > capacity or model.predict(0, bound[1], bound[0]) > budget_s:
+        if bound is None or bound[0] > kv_capacity_tokens or model.predict(0, bound[1], bound[0]) > budget_s:
             peak_kv, peak_batch = summary.peak(iterations + r_left, r_kv)
-            if peak_kv > capacity or model.predict(0, peak_batch, peak_kv) > budget_s:
+            if peak_kv > kv_capacity_tokens or model.predict(0, peak_batch, peak_kv) > budget_s:
                 return False
         kv_then = kv_decoding + num_decoding * iterations + work_ahead + r_tokens
         return not first + model.predict(0, num_decoding + num_ahead + 1, kv_then) \

@@ -11,14 +11,14 @@ same one: attainment within a few points, per-tier latency distributions alike."
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import numpy as np
 import pytest
 
-from cluster.calibration import attained, replay_on_engine, replay_on_fleet, write_emulated_model_folder
+from cluster.calibration import (attained, replay_on_engine, replay_on_fleet, simulated_with_host_time,
+                                 write_emulated_model_folder)
 from cluster.emulation import ScaledLatencyModel, emulated_latency_model
-from cluster.simulator import SimConfig, Simulator
+from cluster.simulator import SimConfig
 from cluster.workload import TierMix, WorkloadFactory, default_tiers, load_trace
 from scheduler.polyserve import PolyServePolicy
 
@@ -46,9 +46,7 @@ def _quietest(replay):
 def _compared(cfg: SimConfig, tiers, model, w, replay):
     """The quietest live run, and the simulator on the same workload with the run's host time per step."""
     live = _quietest(replay)
-    sim = Simulator(dataclasses.replace(cfg, step_overhead_s=live.step_overhead_s,
-                                        step_overhead_per_seq_s=live.step_overhead_per_seq_s), tiers, model).run(w)
-    return w, live, sim
+    return w, live, simulated_with_host_time(cfg, tiers, model, w, live)
 
 
 def _workload(model, tiers, cfg: SimConfig, rate: float, duration: float):
