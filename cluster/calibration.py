@@ -102,7 +102,7 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
         step_time = model.predict
     config = EngineConfig(model=model_folder, executor="emulated", block_size=block_size, num_kv_blocks=num_kv_blocks,
                           enable_prefix_caching=False, max_num_seqs=1 << 20, max_num_batched_tokens=1 << 20)
-    engine = build_engine(config, policy, step_time)
+    engine = build_engine(config, policy, step_time=step_time)
     tiers = workload.tiers
     n = len(workload)
     arrivals = workload.arrivals.tolist()
@@ -130,7 +130,7 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
                 if k != REFUSED:
                     prompt = _distinct_prompt(i, int(workload.prompt_lens[i]))
                     params = SamplingParams(max_tokens=int(workload.output_lens[i]), ignore_eos=True)
-                    engine.add_request(f"r{i}", prompt, params, slo=tiers[k].slo, arrival=arrivals[i])
+                    engine.add_request(f"r{i}", prompt, params, tiers[k].slo, arrivals[i], tiers[k].name)
                     ids[f"r{i}"] = i
                 i += 1
             if engine.has_unfinished():
@@ -208,9 +208,9 @@ async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: 
     request is sent at its arrival with max_tokens = its output length (ignore_eos), so it ends exactly there."""
     router = Router(workload.tiers, model, max_prefill_chunk=max_prefill_chunk,
                     expected_output_tokens=float(workload.output_lens.mean()) if len(workload) else 128.0)
-    launcher = LocalLauncher(["--executor", "emulated", "--model", model_folder, "--num-kv-blocks",
-                              str(num_kv_blocks), "--time-scale", str(time_scale), "--max-num-seqs",
-                              str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)])
+    launcher = LocalLauncher(EngineConfig(model=model_folder, executor="emulated", num_kv_blocks=num_kv_blocks,
+                                          time_scale=time_scale, max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=max_num_batched_tokens))
     service = _ReportKeepingService(router, launcher=launcher, heartbeat_timeout_s=10.0)
     await service.start()
     try:

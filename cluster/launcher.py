@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from engine.config import EngineConfig
+
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -30,11 +32,13 @@ class _Process:
 
 
 class LocalLauncher:
-    def __init__(self, worker_args: Sequence[str] = (), *, gpus: Sequence[str] = (), host: str = "127.0.0.1",
-                 python: str = sys.executable, ready_timeout_s: float = 120.0, env: dict[str, str] | None = None):
-        """`worker_args`: arguments every worker gets (executor, model, time scale, ...). `gpus`: device ids, one
-        worker each; empty: no GPU assignment (CPU or emulated)."""
-        self.worker_args, self.gpus, self.host, self.python = list(worker_args), list(gpus), host, python
+    def __init__(self, config: EngineConfig, *, gpus: Sequence[str] = (), heartbeat_s: float | None = None,
+                 host: str = "127.0.0.1", python: str = sys.executable, ready_timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None):
+        """Every worker's engine is built from `config` (forwarded as its flags). `gpus`: device ids, one worker
+        each; empty: no GPU assignment (CPU or emulated). `heartbeat_s`: the workers' (None: their default)."""
+        self.worker_args = config.to_args() + ([] if heartbeat_s is None else ["--heartbeat-s", str(heartbeat_s)])
+        self.gpus, self.host, self.python = list(gpus), host, python
         self.ready_timeout_s = ready_timeout_s
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), self.env.get("PYTHONPATH")]))

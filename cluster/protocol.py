@@ -17,7 +17,10 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+from engine.sampling_params import SamplingParams
+from scheduler.slo import SLO
+
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of msgpack; 8 MiB leaves room and bounds a bad peer
 HEADER = struct.Struct("!I")
 
@@ -35,7 +38,8 @@ class _Message(msgspec.Struct, array_like=True, tag_field="type", forbid_unknown
 
 
 class SamplingSpec(msgspec.Struct, array_like=True):
-    """engine.SamplingParams on the wire (checked again by SamplingParams on the worker)."""
+    """engine.SamplingParams on the wire, field for field by name. Unchecked here: the worker checks it by building
+    the SamplingParams, so a bad value fails that one request, not the connection it came on."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -46,10 +50,13 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     ignore_eos: bool = False
     logprobs: bool = False
 
+    @classmethod
+    def of(cls, params: SamplingParams) -> "SamplingSpec":
+        return cls(**{name: getattr(params, name) for name in cls.__struct_fields__})
 
-class SLOSpec(msgspec.Struct, array_like=True):
-    ttft_ms: float
-    tpot_ms: float
+    def params(self) -> SamplingParams:
+        """The engine's SamplingParams; ValueError names a bad field."""
+        return SamplingParams(**msgspec.structs.asdict(self))
 
 
 class Hello(_Message, tag=_tag("hello")):
@@ -69,9 +76,9 @@ class Submit(_Message, tag=_tag("submit")):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
-    slo: SLOSpec | None
+    tier: str  # the tier the router admitted it under: the engine keeps that tier's output-length mean
+    slo: SLO  # made concrete at the router's admission
     queued_s: float  # time since the request's arrival at the router; the worker dates its arrival back by it
-    tier: str = ""  # the tier it was admitted under: the engine keeps that tier's output-length mean
 
 
 class Abort(_Message, tag=_tag("abort")):

@@ -135,30 +135,21 @@ class RouterService:
         return task
 
     # ---- requests --------------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       slo: SLO | None, arrival: float) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tier: str,
+                       slo: SLO, arrival: float) -> AsyncIterator[RequestOutput]:
         """Backend.generate (engine/api_server.py): admission on the first __anext__, then the outputs."""
-        tiers = self.router.tiers
-        try:
-            tier = tiers.for_tpot(slo.tpot_ms) if slo is not None else tiers[len(tiers) - 1]
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        slo = slo or tier.slo
         if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        routed = RoutedRequest(request_id, tiers.index(tier), tier.name, slo, arrival, len(prompt_token_ids),
+        routed = RoutedRequest(request_id, self.router.tiers.index(tier), tier, slo, arrival, len(prompt_token_ids),
                                params.max_tokens)
-        sampling = p.SamplingSpec(params.temperature, params.top_k, params.top_p, params.seed, params.max_tokens,
-                                  list(params.stop), list(params.stop_token_ids), params.ignore_eos, params.logprobs)
-        submit = p.Submit(request_id, list(prompt_token_ids), sampling, p.SLOSpec(slo.ttft_ms, slo.tpot_ms), 0.0,
-                          tier.name)
+        submit = p.Submit(request_id, list(prompt_token_ids), p.SamplingSpec.of(params), tier, slo, 0.0)
         stream = _Stream(routed, submit, params.logprobs, submit.prompt_token_ids)
         self.streams[request_id] = stream
         try:
             now = self.clock()
             decision = self.router.submit(routed, now)
             if decision.outcome is Outcome.QUEUE_FULL:
-                raise QueueFullError(f"tier {tier.name} has {self.router.queue_length(routed.tier_index)} requests "
+                raise QueueFullError(f"tier {tier} has {self.router.queue_length(routed.tier_index)} requests "
                                      f"waiting, its bound", decision.retry_after_s)
             if decision.outcome is Outcome.NO_INSTANCE:
                 raise NoInstanceError("no engine instance is serving or starting, and none can be started")

@@ -2,6 +2,8 @@
 
     python -m cluster.worker --port 0 --executor emulated [--time-scale 0.5] [--num-kv-blocks N] ...
 
+Its engine flags are `EngineConfig`'s (engine/config.py), as `cluster.serve` forwards them.
+
 Prints `READY <port>` on stdout once it listens; SIGTERM or SIGINT drains it. Every connection (normally one: the router's) gets Hello first,
 then for its own requests Tokens / Finish / Error frames, and for every engine step a StepReport (batch shape,
 iteration time, KV use, all residents); a Heartbeat every `--heartbeat-s`. Drain: new submits are answered with a
@@ -22,41 +24,24 @@ import time
 from dataclasses import dataclass, field
 
 from cluster import protocol as p
-from cluster.emulation import ScaledLatencyModel, emulated_latency_model, kv_blocks_for_gpu
 from engine.api_server import freeze_startup_heap
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.config import EngineConfig, add_engine_args
 from engine.engine import Engine, InvalidRequestError, RequestOutput
 from engine.llm import build_engine
-from engine.sampling_params import SamplingParams
-from scheduler.profile_table import ProfileTable
-from scheduler.slo import SLO
-from scheduler.types import BatchPolicy, StepStats
+from scheduler.types import StepStats
 
 log = logging.getLogger(__name__)
 
 MAX_WRITE_BUFFER_BYTES = 64 << 20  # a peer that reads nothing for this long is gone; its connection is closed
 
 
-class ResidentRecorder:
-    """The engine's batch policy, plus a record of who is resident after each step.
-
-    `observe` runs on the engine thread right after a step's tokens are appended, so the record is a consistent
-    picture; reading the engine's lists from the event loop instead would race the next step."""
-
-    def __init__(self, inner: BatchPolicy):
-        self.inner = inner
-        self.engine: Engine | None = None
-        self.residents: list[p.Resident] = []
-
-    def schedule(self, now, running, waiting, kv):
-        return self.inner.schedule(now, running, waiting, kv)
-
-    def observe(self, stats: StepStats) -> None:
-        self.inner.observe(stats)
-        engine = self.engine
-        self.residents = [p.Resident(r.request_id, r.num_prompt_tokens, r.num_computed_tokens, r.num_output_tokens)
-                          for group in (engine.running, engine.waiting) for r in group]
+def resident_report(engine: Engine) -> list[p.Resident]:
+    """Who is resident, and how far along: taken on the engine thread right after a step (AsyncEngine's
+    snapshot), where the engine's lists are a consistent picture; read from the event loop they would race the
+    next step."""
+    return [p.Resident(r.request_id, r.num_prompt_tokens, r.num_computed_tokens, r.num_output_tokens)
+            for group in (engine.running, engine.waiting) for r in group]
 
 
 @dataclass(slots=True, eq=False)
@@ -72,15 +57,14 @@ class _Connection:
 
 
 class Worker:
-    def __init__(self, engine: Engine, recorder: ResidentRecorder, *, instance_id: str, executor: str,
-                 heartbeat_s: float = 0.5, parent_pid: int | None = None, clock=time.monotonic):
+    def __init__(self, engine: Engine, *, instance_id: str, heartbeat_s: float = 0.5, parent_pid: int | None = None,
+                 clock=time.monotonic):
         """`parent_pid`: exit when that process is gone (a launcher's workers must not outlive it)."""
         if not heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be positive, got {heartbeat_s}")
-        recorder.engine = engine
-        self.engine, self.recorder = engine, recorder
-        self.async_engine = AsyncEngine(engine, on_step=self._on_step)
-        self.instance_id, self.executor, self.heartbeat_s, self.clock = instance_id, executor, heartbeat_s, clock
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine, on_step=self._on_step, snapshot=resident_report)
+        self.instance_id, self.heartbeat_s, self.clock = instance_id, heartbeat_s, clock
         self.parent_pid = parent_pid
         self.connections: set[_Connection] = set()
         self.draining = False
@@ -115,7 +99,7 @@ class Worker:
         e = self.engine
         writer.write(p.encode_frame(p.Hello(
             p.PROTOCOL_VERSION, self.instance_id, os.getpid(), self.clock(), e.executor.num_kv_blocks, e.block_size,
-            e.max_model_len, e.executor.vocab_size, e.tokenizer is not None, self.executor)))
+            e.max_model_len, e.executor.vocab_size, e.tokenizer is not None, e.config.executor)))
         try:
             while True:
                 msg = await p.read_message(reader)
@@ -167,12 +151,9 @@ class Worker:
         rid = msg.request_id
         seen = 0  # tokens already sent: the engine's token_times list keeps growing on its thread, so slice by count
         try:
-            s = msg.sampling
-            params = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed, s.max_tokens, list(s.stop),
-                                    list(s.stop_token_ids), s.ignore_eos, s.logprobs)
-            slo = SLO(msg.slo.ttft_ms, msg.slo.tpot_ms) if msg.slo is not None else None
+            params = msg.sampling.params()
             arrival = self.clock() - max(0.0, msg.queued_s)
-            async for out in self.async_engine.generate(rid, msg.prompt_token_ids, params, slo, arrival, msg.tier):
+            async for out in self.async_engine.generate(rid, msg.prompt_token_ids, params, msg.slo, arrival, msg.tier):
                 n = len(out.new_token_ids)
                 if n or out.new_text:
                     logprobs = out.logprobs[seen:seen + n] if out.logprobs is not None else None
@@ -212,12 +193,11 @@ class Worker:
         asyncio.get_running_loop().create_task(self.stop())
 
     # ---- reports --------------------------------------------------------------------------------------------
-    def _on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
-        e = self.engine
+    def _on_step(self, stats: StepStats, residents: list[p.Resident]) -> None:
         frame = p.encode_frame(p.StepReport(
             stats.start, stats.duration, stats.num_prefill_tokens, stats.num_decode_seqs, stats.num_kv_tokens,
-            stats.num_blocks_used, e.executor.num_kv_blocks, stats.num_running, stats.num_waiting, stats.num_seqs,
-            self.recorder.residents))
+            stats.num_blocks_used, self.engine.executor.num_kv_blocks, stats.num_running, stats.num_waiting,
+            stats.num_seqs, residents))
         for conn in self.connections:
             conn.frames.append(frame)
         # the step's outputs reach their request tasks in this loop turn; flushing on the next keeps them together
@@ -258,59 +238,20 @@ class Worker:
                 self._close(conn)
 
 
-def build_worker_engine(args: argparse.Namespace) -> tuple[Engine, ResidentRecorder]:
-    """The engine and its batch policy, wrapped to record residents. Iteration times: --latency-profile, else (an
-    emulated engine) the roofline of Llama-3.1-8B on an H200, times --time-scale; a model engine without a profile
-    starts from the engine's own roofline for its device. The engine refines it online from its measured steps."""
-    latency_model = None
-    if args.latency_profile:
-        latency_model = ScaledLatencyModel(ProfileTable.load(args.latency_profile), args.time_scale)
-    elif args.executor == "emulated":
-        latency_model = emulated_latency_model(args.time_scale)
-    num_kv_blocks = args.num_kv_blocks
-    if args.executor == "emulated" and num_kv_blocks is None:
-        num_kv_blocks = kv_blocks_for_gpu(args.block_size)
-    config = EngineConfig(model=args.model, device=args.device, executor=args.executor, block_size=args.block_size,
-                          num_kv_blocks=num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          policy=args.batch_policy, default_ttft_ms=args.default_ttft_ms,
-                          default_tpot_ms=args.default_tpot_ms)
-    engine = build_engine(config, latency_model=latency_model)  # emulated: sleeps the model's prediction
-    recorder = ResidentRecorder(engine.policy)
-    engine.policy = recorder  # before the step loop exists: no race with the engine thread
-    return engine, recorder
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: any free port (printed as READY <port>)")
     ap.add_argument("--instance-id", default=f"worker-{os.getpid()}")
-    ap.add_argument("--executor", choices=("emulated", "model"), default="emulated")
-    ap.add_argument("--model", default=None, help="Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--num-kv-blocks", type=int, default=None,
-                    help="emulated default: what Llama-3.1-8B leaves on a 141 GB H200 at 90%% use")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--latency-profile", default=None,
-                    help="profile JSON for the step time and the policy (default: roofline Llama-3.1-8B on H200)")
-    ap.add_argument("--time-scale", type=float, default=1.0,
-                    help="emulated iteration time = this x the latency model's prediction")
-    ap.add_argument("--batch-policy", choices=("fcfs", "edf", "polyserve"), default="polyserve")
-    ap.add_argument("--default-ttft-ms", type=float, default=1000.0, help="SLO of requests that carry none")
-    ap.add_argument("--default-tpot-ms", type=float, default=100.0)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    add_engine_args(ap)
     return ap.parse_args(argv)
 
 
 async def _main(args: argparse.Namespace) -> None:
-    engine, recorder = build_worker_engine(args)
-    worker = Worker(engine, recorder, instance_id=args.instance_id, executor=args.executor,
-                    heartbeat_s=args.heartbeat_s, parent_pid=args.parent_pid)
+    engine = build_engine(EngineConfig.from_args(args))
+    worker = Worker(engine, instance_id=args.instance_id, heartbeat_s=args.heartbeat_s, parent_pid=args.parent_pid)
     port = await worker.start(args.host, args.port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, worker.drain)

@@ -76,9 +76,10 @@ class Backend(Protocol):
         default tier). Raises InvalidRequestError for an unknown tier or an SLO no instance could meet even idle."""
         ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, slo: SLO,
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tier: str, slo: SLO,
                  arrival: float) -> AsyncIterator[RequestOutput]:
-        """One request's outputs as they are produced; `arrival` is time.monotonic() when the HTTP request came in.
+        """One request's outputs as they are produced, under the tier and SLO `slo_for` made concrete; `arrival`
+        is time.monotonic() when the HTTP request came in.
 
         Admission happens on the first `__anext__`, which raises InvalidRequestError (400), QueueFullError (429)
         or NoInstanceError (503). Each output's `new_token_ids` and `new_text` are what it adds; `logprobs`, when
@@ -216,7 +217,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         raise bad_request(str(e), "invalid_slo") from None
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    outputs = backend.generate(request_id, prompt_ids, params, slo, arrival)
+    outputs = backend.generate(request_id, prompt_ids, params, tier, slo, arrival)
     async with contextlib.aclosing(outputs):
         try:
             first = await anext(outputs)

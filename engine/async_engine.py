@@ -7,7 +7,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import deque
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from engine.engine import Engine, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -18,9 +18,14 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[StepStats, list[RequestOutput]], None] | None = None):
+    def __init__(self, engine: Engine, on_step: Callable[[StepStats, Any], None] | None = None,
+                 snapshot: Callable[[Engine], Any] | None = None):
+        """`on_step(stats, snapshot(engine))` runs on the event loop after every step; `snapshot` (None: no
+        snapshot) on the engine thread right after the step, where the engine's lists are consistent."""
         self.engine = engine
-        self.on_step = on_step  # called on the event loop after every step
+        self.on_step, self.snapshot = on_step, snapshot
+        self._stepped: tuple[StepStats, Any] | None = None  # the step just taken, set by the engine's step hook
+        engine.step_hooks.append(self._after_step)
         self._commands: deque[tuple[Callable, concurrent.futures.Future | None]] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -47,10 +52,10 @@ class AsyncEngine:
         return await asyncio.wrap_future(fut)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       slo: SLO | None = None, arrival: float | None = None,
-                       tier: str = "") -> AsyncIterator[RequestOutput]:
-        """Adds the request (raising InvalidRequestError at once if it can't run) and yields its outputs; leaving
-        the iteration early aborts the request and frees its KV."""
+                       slo: SLO | str | None = None, arrival: float | None = None,
+                       tier: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Adds the request (`Engine.add_request`: raising InvalidRequestError at once if it can't run) and yields
+        its outputs; leaving the iteration early aborts the request and frees its KV."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         try:
@@ -89,21 +94,22 @@ class AsyncEngine:
                     fut.set_result(result)
                 elif isinstance(result, RequestOutput):
                     outputs.append(result)  # an abort's final output
-            stats = None
+            stepped = self._stepped = None
             if self.engine.has_unfinished():
-                before = len(self.engine.step_stats)
                 try:
                     outputs.extend(self.engine.step())
                 except Exception:  # the engine's own invariants broke: end everything loudly rather than hang
                     log.exception("engine step crashed; ending all requests")
                     outputs.extend(self._fail_all("engine step crashed"))
-                if len(self.engine.step_stats) > before:
-                    stats = self.engine.step_stats[-1]
+                stepped = self._stepped
             elif not self._commands:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
-            if outputs or stats is not None:
-                self._loop.call_soon_threadsafe(self._deliver, outputs, stats)
+            if outputs or stepped is not None:
+                self._loop.call_soon_threadsafe(self._deliver, outputs, stepped)
+
+    def _after_step(self, stats: StepStats) -> None:
+        self._stepped = (stats, self.snapshot(self.engine) if self.snapshot is not None else None)
 
     def _fail_all(self, reason: str) -> list[RequestOutput]:
         outs = []
@@ -113,10 +119,10 @@ class AsyncEngine:
             outs.append(out)
         return outs
 
-    def _deliver(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+    def _deliver(self, outputs: list[RequestOutput], stepped: tuple[StepStats, Any] | None) -> None:
         for out in outputs:
             queue = self._streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
-        if self.on_step is not None and stats is not None:
-            self.on_step(stats, outputs)
+        if self.on_step is not None and stepped is not None:
+            self.on_step(*stepped)

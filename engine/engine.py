@@ -7,21 +7,25 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from engine._C import BlockManager
+from engine.config import EngineConfig
 from engine.executor import Executor, StepBatch
+from engine.model_config import ModelConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Detokenizer, Tokenizer
-from scheduler.attainability import Attainability, AttainabilityChecker
-from scheduler.instance_state import InstanceState, RequestSnapshot
-from scheduler.latency_model import LatencyModel
+from scheduler.attainability import AttainabilityChecker
+from scheduler.latency_model import LearningLatencyModel
 from scheduler.output_length import OutputLengthTracker
 from scheduler.slo import SLO
 from scheduler.types import BatchPolicy, KvState, StepStats, is_decode
+
+StepHook = Callable[[StepStats], None]
 
 log = logging.getLogger(__name__)
 
@@ -53,35 +57,53 @@ class RequestOutput:
 class Engine:
     """Owns the requests, the block manager, the batch policy and an executor. Single-threaded: one caller steps it."""
 
-    def __init__(self, executor: Executor, policy: BatchPolicy, tokenizer: Tokenizer | None, *, block_size: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], latency_model: LatencyModel, default_slo: SLO,
-                 max_prefill_chunk: int, enable_prefix_caching: bool = True, clock=time.monotonic,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, executor: Executor, policy: BatchPolicy,
+                 tokenizer: Tokenizer | None, latency_model: LearningLatencyModel, *, clock=time.monotonic,
                  stats_history: int = 4096):
-        self.executor, self.policy, self.tokenizer = executor, policy, tokenizer
-        # The latency model learns from every step (if it can) and predicts for the policy and the admission test.
-        self.latency_model, self.default_slo = latency_model, default_slo
-        self._model_learns = hasattr(latency_model, "observe")
-        self.output_lengths = OutputLengthTracker(default_mean=min(256, max_model_len))
-        self.attainability = AttainabilityChecker(latency_model, self.output_lengths, max_prefill_chunk)
+        self.config, self.executor, self.policy, self.tokenizer = config, executor, policy, tokenizer
+        self.tiers = config.tier_set
+        self.block_size = config.block_size
+        self.max_model_len = model_config.context_length(config.max_model_len)
+        eos = model_config.eos_token_ids
+        if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = (tokenizer.eos_token_id,)
+        self.eos_token_ids = frozenset(eos)
+        # The engine alone feeds the latency model, once per step; the policy and the admission test predict by it.
+        self.latency_model = latency_model
+        self.output_lengths = OutputLengthTracker(default_mean=min(256, self.max_model_len))
+        self.attainability = AttainabilityChecker(latency_model, self.output_lengths, config.prefill_chunk)
         self.iteration_end = 0.0  # predicted end of the step in flight
-        self.block_size, self.max_model_len = block_size, max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
-        self.blocks = BlockManager(executor.num_kv_blocks, block_size, enable_prefix_caching)
+        self.blocks = BlockManager(executor.num_kv_blocks, self.block_size, config.enable_prefix_caching)
         self.waiting: list[Request] = []  # kept in arrival order
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
-        self.step_stats: deque[StepStats] = deque(maxlen=stats_history)
+        self.step_stats: deque[StepStats] = deque(maxlen=stats_history)  # recent history; `num_steps` counts all
+        self.num_steps = 0
+        # called on the stepping thread after every step, once the latency model has it: the engine's lists are a
+        # consistent picture there (the cluster worker takes its resident report from them)
+        self.step_hooks: list[StepHook] = []
         self._seq_ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    slo: SLO | None = None, arrival: float | None = None, tier: str = "") -> Request:
-        """Validates and queues a request; raises InvalidRequestError (the engine is untouched) when it can't run."""
+                    slo: SLO | str | None = None, arrival: float | None = None, tier: str | None = None) -> Request:
+        """Validates and queues a request; raises InvalidRequestError (the engine is untouched) when it can't run.
+
+        Its SLO is made concrete here unless a front end did so at its own admission (then `tier` names the tier
+        it resolved and `slo` is that request's SLO): `slo` is an SLO, a tier name or None (the default tier)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if tier is None:
+            try:
+                resolved, slo = self.tiers.resolve(slo)
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
+            tier = resolved.name
+        elif not isinstance(slo, SLO):
+            raise InvalidRequestError(f"a request admitted under tier {tier!r} needs its SLO, got {slo!r}")
         ids = self._tokenize(prompt)
         if len(ids) + 1 > self.max_model_len:
             raise InvalidRequestError(f"prompt of {len(ids)} tokens leaves no room for output in the context "
@@ -172,28 +194,13 @@ class Engine:
                           self.blocks.num_total_blocks - self.blocks.num_free_blocks(), len(self.running),
                           len(self.waiting), len(items))
         self.step_stats.append(stats)
-        self.policy.observe(stats)
-        if self._model_learns:
-            self.latency_model.observe(stats)
+        self.num_steps += 1
+        self.latency_model.observe(stats)
+        for hook in self.step_hooks:
+            hook(stats)
         return outputs
 
-    # ---- what the router and admission ask --------------------------------------------------------------------
-    def instance_state(self, tpot_ms: float) -> InstanceState:
-        """The attainability test's view of this engine, held to `tpot_ms` (its tier's TPOT)."""
-        default = self.default_slo
-        residents = [RequestSnapshot.of(r, default, r.tier) for r in (*self.running, *self.waiting)]
-        return InstanceState(residents, self.blocks.num_total_blocks * self.block_size, self.iteration_end, tpot_ms)
-
-    def check_attainable(self, now: float, request: RequestSnapshot, tpot_ms: float | None = None) -> Attainability:
-        """Can this engine take `request` and still meet every resident's SLO and the request's own?"""
-        state = self.instance_state(tpot_ms if tpot_ms is not None else request.slo.tpot_ms)
-        return self.attainability.check(state, request, now)
-
-    def predicted_iteration_time(self) -> float:
-        """Load, as the router ranks engines: the predicted time of a step of the decodes running now."""
-        decodes = [r for r in self.running if is_decode(r, 1)]
-        return self.latency_model.predict(0, len(decodes), sum(r.num_tokens for r in decodes))
-
+    # ---- internals ------------------------------------------------------------------------------------------
     def _admit(self, scheduled) -> list[tuple[Request, int]]:
         """Gives every planned request its KV blocks (prefix-cache hits first for newcomers); drops what can't fit."""
         items = []

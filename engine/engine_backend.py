@@ -4,14 +4,14 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from engine.api_server import NoInstanceError, QueueFullError
+from engine.admission import admit_slo, refuse_unattainable
 from engine.async_engine import AsyncEngine
-from engine.engine import Engine, InvalidRequestError, RequestOutput
+from engine.engine import Engine, RequestOutput
 from engine.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from scheduler.instance_state import RequestSnapshot
 from scheduler.slo import SLO
-from scheduler.tiers import TierSet
 from scheduler.types import StepStats
 
 INSTANCE = "0"  # this backend's one instance, as /metrics labels it
@@ -20,21 +20,20 @@ INSTANCE = "0"  # this backend's one instance, as /metrics labels it
 class EngineBackend:
     """Builds the AsyncEngine around `engine` (whose step loop starts with `start`).
 
-    Admission: the tier and SLO checks of `slo_for` (with `check_idle`, an SLO that an idle instance could not
-    meet by the engine's latency model is refused), then a bound on requests still waiting for their first token
-    (`max_pending`, else QueueFullError with `retry_after_s`).
+    Admission: the tier and SLO of `slo_for`, through the engine's tiers (with `check_idle`, an SLO that an idle
+    instance could not meet by the engine's latency model is refused), then a bound on requests still waiting for
+    their first token (`max_pending`, else QueueFullError with `retry_after_s`).
     """
 
-    def __init__(self, engine: Engine, model_name: str, tiers: TierSet, default_tier: str | None = None, *,
-                 check_idle: bool = False, max_pending: int = 256, retry_after_s: float = 1.0):
+    def __init__(self, engine: Engine, model_name: str, *, check_idle: bool = False, max_pending: int = 256,
+                 retry_after_s: float = 1.0):
         if max_pending < 1:
             raise ValueError(f"max_pending must be positive, got {max_pending}")
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer: Tokenizer | None = engine.tokenizer
-        self.tiers = tiers
-        self.default_tier = tiers.by_name(default_tier) if default_tier is not None else tiers[len(tiers) - 1]
+        self.tiers = engine.tiers
         self.checker = engine.attainability if check_idle else None
         self.max_pending, self.retry_after_s = max_pending, retry_after_s
         self._num_kv_blocks = engine.blocks.num_total_blocks
@@ -66,30 +65,20 @@ class EngineBackend:
             metrics.set_instances(tier.name, 1)
 
     def slo_for(self, spec: str | SLO | None, num_prompt_tokens: int, max_tokens: int) -> tuple[str, SLO]:
-        try:
-            tier, slo = (self.default_tier, self.default_tier.slo) if spec is None else self.tiers.resolve(spec)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+        tier, slo = admit_slo(self.tiers, spec)
         if self.checker is not None:
             kv_tokens = self._num_kv_blocks * self.engine.block_size
-            verdict = self.checker.check_idle(RequestSnapshot(0.0, num_prompt_tokens, max_tokens, slo, tier.name),
-                                              kv_tokens)
-            if not verdict.ok:
-                raise InvalidRequestError(
-                    f"SLO ttft {slo.ttft_ms:g} ms, tpot {slo.tpot_ms:g} ms cannot be met even on an idle instance "
-                    f"({verdict.reason.value}: predicted first token {1000 * verdict.first_token_time:.1f} ms, "
-                    f"steady iteration {1000 * verdict.steady_iteration_s:.1f} ms, peak KV "
-                    f"{verdict.peak_kv_tokens} of {kv_tokens} tokens)")
+            refuse_unattainable(self.checker.check_idle(
+                RequestSnapshot(0.0, num_prompt_tokens, max_tokens, slo, tier.name), kv_tokens), slo)
         return tier.name, slo
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, slo: SLO | None,
-                       arrival: float) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tier: str,
+                       slo: SLO, arrival: float) -> AsyncIterator[RequestOutput]:
         if not self._running:
             raise NoInstanceError("the engine is not running")
         if self._pending >= self.max_pending:
             raise QueueFullError(f"{self._pending} requests are already waiting for their first token",
                                  self.retry_after_s)
-        tier = self.tiers.for_tpot(slo.tpot_ms).name if slo is not None else self.default_tier.name
         self._pending += 1
         pending = True
         try:
@@ -104,7 +93,7 @@ class EngineBackend:
             if pending:
                 self._pending -= 1
 
-    def _on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+    def _on_step(self, stats: StepStats, _: None) -> None:
         if self.metrics is None:
             return
         self.metrics.observe_batch(INSTANCE, stats.num_seqs)

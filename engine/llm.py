@@ -11,59 +11,43 @@ from engine.executor import EmulatedExecutor, StepTimeFn
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from scheduler import (A100_SXM, H100_SXM, H200_SXM, EDFPolicy, FCFSPolicy, GpuSpec, LatencyModel, ModelShape,
-                       OnlineLatencyModel, PolyServePolicy, RooflineLatencyModel)
+from scheduler import A100_SXM, H100_SXM, H200_SXM, GpuSpec, LatencyModel, ModelShape, OnlineLatencyModel, \
+    RooflineLatencyModel
+from scheduler.policy import make_batch_policy
 from scheduler.slo import SLO
 from scheduler.types import BatchPolicy
 
 
-def build_engine(config: EngineConfig, policy: BatchPolicy | None = None,
-                 step_time: StepTimeFn | None = None, latency_model: LatencyModel | None = None) -> Engine:
+def build_engine(config: EngineConfig, policy: BatchPolicy | None = None, latency_model: LatencyModel | None = None,
+                 step_time: StepTimeFn | None = None) -> Engine:
     """An engine for `config`.
 
-    `latency_model` predicts step times for the batch policy and the admission test; the engine refines it online
-    from its measured steps. Without one, a roofline estimate for the device and model is the starting point. The
-    emulated executor sleeps `step_time` per step, by default the latency model's own prediction.
+    Its latency model starts from `latency_model`, else the step time the config names
+    (`EngineConfig.known_latency_model`), else a roofline estimate for the device and model, and the engine refines
+    it online from its measured steps; the batch policy (`config.batch_policy` unless `policy` is given) and the
+    admission test predict by it. The emulated executor sleeps `step_time` per step, by default that starting
+    model's prediction.
     """
     model_cfg = ModelConfig.from_folder(config.model or default_model_path())
-    has_tokenizer = any((Path(model_cfg.path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
-    tokenizer = Tokenizer(model_cfg.path) if has_tokenizer else None  # without one, prompts are token ids
+    tokenizer = Tokenizer.of_folder(model_cfg.path)
+    known = latency_model or config.known_latency_model()
     if config.executor == "emulated":
-        if config.num_kv_blocks is None:
-            raise ValueError("the emulated executor needs num_kv_blocks")
-        if step_time is None and latency_model is None:
-            raise ValueError("the emulated executor needs a step_time function or a latency model")
-        executor = EmulatedExecutor(step_time or latency_model.predict, config.num_kv_blocks, model_cfg.vocab_size,
+        executor = EmulatedExecutor(step_time or known.predict, config.kv_blocks, model_cfg.vocab_size,
                                     model_cfg.eos_token_ids)
         dtype_bytes = 2
     else:
         from engine.model_runner import ModelRunner  # torch model code only where a model runs
 
-        executor = ModelRunner(model_cfg, config.device, config.dtype, config.block_size, config.num_kv_blocks,
-                               config.kv_cache_memory, config.gpu_memory_utilization, config.kernels,
-                               config.max_num_seqs, config.max_model_len, config.enforce_eager)
+        executor = ModelRunner(model_cfg, config)
         dtype_bytes = executor.kv_cache.element_size()
-    max_len = min(config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
-    eos = model_cfg.eos_token_ids
-    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos = (tokenizer.eos_token_id,)
-    prior = latency_model or RooflineLatencyModel(device_spec(config.device), model_shape(model_cfg, dtype_bytes))
+    prior = known or RooflineLatencyModel(device_spec(config.device), model_shape(model_cfg, dtype_bytes))
     online = OnlineLatencyModel(prior, max_prefill_tokens=config.max_num_batched_tokens,
                                 max_decode_seqs=config.max_num_seqs,
                                 max_kv_tokens=executor.num_kv_blocks * config.block_size)
-    default_slo = SLO(config.default_ttft_ms, config.default_tpot_ms)
-    max_chunk = config.max_prefill_chunk or config.max_num_batched_tokens
     if policy is None:
-        if config.policy == "polyserve":
-            policy = PolyServePolicy(online, default_slo, config.max_num_seqs, config.max_num_batched_tokens,
-                                     max_chunk)
-        elif config.policy == "edf":
-            policy = EDFPolicy(default_slo, config.max_num_seqs, config.max_num_batched_tokens)
-        else:
-            policy = FCFSPolicy(config.max_num_batched_tokens, config.max_num_seqs)
-    return Engine(executor, policy, tokenizer, block_size=config.block_size, max_model_len=max_len,
-                  eos_token_ids=eos, latency_model=online, default_slo=default_slo, max_prefill_chunk=max_chunk,
-                  enable_prefix_caching=config.enable_prefix_caching)
+        policy = make_batch_policy(config.batch_policy, online, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefill_chunk)
+    return Engine(config, model_cfg, executor, policy, tokenizer, online)
 
 
 # A rough prior for a CPU (a few tens of GB/s, a few hundred GFLOP/s); the online fit replaces it within steps.
@@ -86,17 +70,18 @@ def model_shape(cfg: ModelConfig, dtype_bytes: int) -> ModelShape:
 
 class LLM:
     def __init__(self, model: str | None = None, device: str = "cpu", *, policy: BatchPolicy | None = None,
-                 step_time: StepTimeFn | None = None, latency_model: LatencyModel | None = None, **config):
+                 latency_model: LatencyModel | None = None, step_time: StepTimeFn | None = None, **config):
+        """`config`: any `EngineConfig` field; `policy`, `latency_model`, `step_time`: as `build_engine` takes."""
         self.config = EngineConfig(model=model, device=device, **config)
-        self.engine = build_engine(self.config, policy, step_time, latency_model)
+        self.engine = build_engine(self.config, policy, latency_model, step_time)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 slos: Sequence[SLO | None] | None = None) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs in prompt order. Raises InvalidRequestError on a bad prompt
-        before anything runs."""
+                 slos: Sequence[SLO | str | None] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in prompt order. `slos`: per prompt an SLO, a tier name or None
+        (the default tier). Raises InvalidRequestError on a bad prompt before anything runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()

@@ -119,5 +119,9 @@ class ModelConfig:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
 
+    def context_length(self, max_model_len: int | None) -> int:
+        """The context length an engine serves: `max_model_len`, at most the model's own (None: the model's)."""
+        return min(max_model_len or self.max_position_embeddings, self.max_position_embeddings)
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()

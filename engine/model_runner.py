@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.config import EngineConfig
 from engine.context import AttentionContext, set_context
 from engine.executor import StepBatch
 from engine.loader import load_weights
@@ -13,36 +14,36 @@ from kernels import get_ops
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, device: str, dtype: str | None, block_size: int,
-                 num_kv_blocks: int | None, kv_cache_memory: int, gpu_memory_utilization: float, kernels: str,
-                 max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False):
-        self.cfg, self.device, self.block_size = model_cfg, torch.device(device), block_size
-        if dtype is not None:
-            self.dtype = DTYPES[dtype]
+    def __init__(self, model_cfg: ModelConfig, config: EngineConfig):
+        self.cfg, self.device, self.block_size = model_cfg, torch.device(config.device), config.block_size
+        if config.dtype is not None:
+            self.dtype = DTYPES[config.dtype]
         else:
             self.dtype = model_cfg.dtype if self.device.type == "cuda" else torch.float32
         self.vocab_size = model_cfg.vocab_size
-        ops = get_ops(self.device, backend=None if kernels == "auto" else kernels)
+        ops = get_ops(self.device, backend=None if config.kernels == "auto" else config.kernels)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, ops).to(self.dtype)
         load_weights(self.model, model_cfg.path)
         self.model.eval()
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             pack_linears_for_onednn(self.model)
-        self.num_kv_blocks = num_kv_blocks or self._blocks_that_fit(kv_cache_memory, gpu_memory_utilization)
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_that_fit(config.kv_cache_memory,
+                                                                           config.gpu_memory_utilization)
         if self.num_kv_blocks < 1:
             raise ValueError("no memory left for the KV cache")
-        self.kv_cache = torch.empty(model_cfg.num_layers, 2, self.num_kv_blocks, block_size, model_cfg.num_kv_heads,
-                                    model_cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(model_cfg.num_layers, 2, self.num_kv_blocks, self.block_size,
+                                    model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.graphs = None
-        if self.device.type == "cuda" and not enforce_eager and ops.name in ("triton", "cuda"):  # no host syncs
+        if self.device.type == "cuda" and not config.enforce_eager and ops.name in ("triton", "cuda"):  # no syncs
             from engine.cuda_graphs import DecodeGraphs
 
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len or model_cfg.max_position_embeddings,
-                                           block_size, self.device)
+                self.graphs = DecodeGraphs(self.model, config.max_num_seqs,
+                                           config.max_model_len or model_cfg.max_position_embeddings,
+                                           self.block_size, self.device)
 
     def _blocks_that_fit(self, kv_cache_memory: int, gpu_memory_utilization: float) -> int:
         per_block = self.cfg.kv_bytes_per_token(self.dtype) * self.block_size
@@ -81,7 +82,7 @@ class ModelRunner:
 
 def pack_linears_for_onednn(model: torch.nn.Module, batch_hint: int = 16) -> None:
     """bf16 on the CPU: pre-pack every projection's weight into oneDNN's blocked layout once, instead of on every
-    call (~1.8x faster at decode batch sizes on AMX/AVX-512 parts; the same result)."""
+    call (oneDNN's packed GEMM is much faster at decode batch sizes on AMX/AVX-512 parts; the same result)."""
     if not torch.backends.mkldnn.is_available():
         return
 

@@ -23,8 +23,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float
-    slo: SLO | None = None
-    tier: str = ""  # the SLO tier it was admitted under: its output lengths feed that tier's running mean
+    slo: SLO  # made concrete at admission
+    tier: str  # the SLO tier it was admitted under: its output lengths feed that tier's running mean
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # emit time of every output token

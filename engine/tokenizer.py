@@ -16,6 +16,13 @@ class Tokenizer:
             raise ModelFolderError(f"no usable tokenizer in {folder}: {e}") from None
         self.eos_token_id = self.hf.eos_token_id
 
+    @classmethod
+    def of_folder(cls, folder: str | Path) -> "Tokenizer | None":
+        """The folder's tokenizer; None when it ships none (prompts are then token ids)."""
+        if any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+            return cls(folder)
+        return None
+
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text)
 

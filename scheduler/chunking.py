@@ -1,7 +1,7 @@
 """Dynamic chunking: the largest prefill chunk that keeps an iteration within a time budget (DESIGN.md §2)."""
 from __future__ import annotations
 
-from scheduler.latency_model import LatencyModel
+from scheduler.latency_model import ChunkSolvingModel, LatencyModel
 
 
 ROOT_MARGIN = 1e-6  # tokens: a root's rounding error is ~1e-16 relative, chunks are below 1e6 tokens
@@ -15,7 +15,7 @@ def largest_chunk(model: LatencyModel, budget_s: float, num_decode_seqs: int, nu
     A chunk of c prompt tokens adds c to the context the batch attends over; `num_kv_tokens` holds the rest (the
     decodes' contexts, the chunk's cached prefix) and `num_prefill_tokens` what the batch already holds of other
     prefills. Binary search: exact for models that grow with every input (the three shipped ones do); for any
-    other model the answer still fits the budget. A model with `chunk_within` (the root of its prediction in c,
+    other model the answer still fits the budget. A `ChunkSolvingModel` (the root of its prediction in c,
     scheduler/roofline.py) is searched from that root instead, a step or two in place of a dozen predictions;
     the root is only where the search starts (or, clear of every integer, the answer itself), so the answer is the
     same.
@@ -23,9 +23,8 @@ def largest_chunk(model: LatencyModel, budget_s: float, num_decode_seqs: int, nu
     if cap <= 0:
         return 0
     predict = model.predict
-    guess = getattr(model, "chunk_within", None)
-    if guess is not None:  # a model that can solve for the chunk: a step or two from its root to the exact answer
-        root = guess(budget_s, num_prefill_tokens, num_decode_seqs, num_kv_tokens)
+    if _solves_chunk(model):  # a step or two from its root to the exact answer
+        root = model.chunk_within(budget_s, num_prefill_tokens, num_decode_seqs, num_kv_tokens)
         # a root clear of every integer by far more than its rounding error is the answer as it stands
         if root >= cap + ROOT_MARGIN:
             return cap
@@ -47,3 +46,16 @@ def largest_chunk(model: LatencyModel, budget_s: float, num_decode_seqs: int, nu
         else:
             hi = mid
     return lo
+
+
+_SOLVES_CHUNK: dict[type, bool] = {}
+
+
+def _solves_chunk(model: LatencyModel) -> bool:
+    """isinstance(model, ChunkSolvingModel), once per class: a runtime protocol check costs microseconds, and this
+    is on the path of every chunk search."""
+    cls = type(model)
+    solves = _SOLVES_CHUNK.get(cls)
+    if solves is None:
+        solves = _SOLVES_CHUNK[cls] = isinstance(model, ChunkSolvingModel)
+    return solves

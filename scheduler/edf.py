@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from scheduler.slo import SLO
-from scheduler.types import KvState, SchedulableRequest, StepPlan, StepStats, blocks_needed
+from scheduler.slo import next_token_deadline
+from scheduler.types import KvState, SchedulableRequest, StepPlan, blocks_needed
 
 
 class EDFPolicy:
@@ -12,24 +12,17 @@ class EDFPolicy:
     still needs (1 token for a decode, a chunk of its prompt otherwise) until `max_num_batched_tokens` is spent, so
     a decode whose deadline is far can wait behind prefills (a decode stall: the price of a static budget). When KV
     runs out a running request is preempted, latest deadline first; a waiting request that does not fit ends the
-    step's admissions, and so does any preemption. A request without an SLO is held to `default_slo`.
+    step's admissions, and so does any preemption.
     """
 
-    def __init__(self, default_slo: SLO, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        self.default_slo = default_slo
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
 
     def schedule(self, now: float, running: Sequence[SchedulableRequest],
                  waiting: Sequence[SchedulableRequest], kv: KvState) -> StepPlan:
-        default = self.default_slo
-
-        def next_deadline(req: SchedulableRequest) -> float:
-            slo = req.slo or default
-            return req.arrival + (slo.ttft_ms + req.num_output_tokens * slo.tpot_ms) / 1000.0
-
         plan = StepPlan()
         block_size = kv.block_size
         budget = self.max_num_batched_tokens
@@ -38,11 +31,11 @@ class EDFPolicy:
         running_ids = {id(r) for r in running}
         # running requests in the order the loop meets them: those met form a prefix, those still ahead (later
         # deadlines) the tail, which gives up its KV first
-        victims = sorted(running, key=next_deadline)
+        victims = sorted(running, key=next_token_deadline)
         num_met = 0
         dropped: set[int] = set()
         admitting = True
-        for req in sorted([*running, *waiting], key=next_deadline):
+        for req in sorted([*running, *waiting], key=next_token_deadline):
             if budget <= 0:
                 break
             key = id(req)
@@ -78,6 +71,3 @@ class EDFPolicy:
             budget -= n
             plan.scheduled.append((req, n))
         return plan
-
-    def observe(self, stats: StepStats) -> None:
-        pass

@@ -7,9 +7,8 @@ time = b0 + b1 * P + b2 * P^2 + b3 * D + b4 * log(1 + D) + b5 * K + b6 * prior(P
 - b2: causal attention of a chunk within itself, ~P^2 / 2 (query, key) pairs;
 - b3: per decode sequence: its GEMM row plus per-sequence host work (sampling, metadata), which prefill tokens
   do not pay, so it is fitted apart from b1;
-- b4: decode cost that flattens as the batch grows: on a CPU the first few decodes cost ~3x what later ones do
-  (SmolLM2-135M, 2 threads, bench.profile: ~6 ms each up to 8 decodes, ~2 ms each from 8 to 32), which no
-  straight line in D follows;
+- b4: decode cost that flattens as the batch grows: on a CPU the first few decodes cost several times what later
+  ones do (bench.profile measures it), which no straight line in D follows;
 - b5: attention reading the KV cache, memory-bound: bytes grow with K;
 - b6: the prior itself, so that a measured profile is corrected (scaled, plus the terms above) rather than
   replaced by its projection onto straight lines: a profile holds the shape of the cost, the fit its drift.
@@ -67,8 +66,6 @@ class OnlineLatencyModel:
         self._data_scale = 1.0  # the data's normal equations are _data_a and _data_b times this
         self._coef: list[float] | None = None  # unscaled; None: data changed since the last fit
         self._positive: list[int] = []  # the coefficients the last fit left above 0: where the next one starts
-        # The engine and a policy holding the same model both pass each step on: a step counts once.
-        self._last_stats: StepStats | None = None
 
     def _features(self, p: float, d: float, k: float, prior_time: float) -> list[float]:
         s = self._scale
@@ -86,11 +83,8 @@ class OnlineLatencyModel:
                 row[j] += wxi * x[j]
 
     def observe(self, stats: StepStats) -> None:
-        if stats is self._last_stats:
-            return
         if not stats.duration >= 0:
             raise ValueError(f"step duration must be non-negative, got {stats.duration}")
-        self._last_stats = stats
         # forgetting without touching the sums: they hold data / scale, and the scale shrinks instead
         self._data_scale *= self.forgetting
         if self._data_scale < 1e-100:

@@ -1,64 +1,25 @@
-"""Batch policies behind the `BatchPolicy` interface of `scheduler.types`."""
+"""The one place batch policies are built: the engine, the cluster worker and the simulator all call
+`make_batch_policy`, so a policy name means the same object everywhere."""
 from __future__ import annotations
 
-from typing import Sequence
+from scheduler.edf import EDFPolicy
+from scheduler.fcfs import FCFSPolicy
+from scheduler.latency_model import LatencyModel
+from scheduler.polyserve import PolyServePolicy
+from scheduler.types import BatchPolicy
 
-from scheduler.types import KvState, SchedulableRequest, StepPlan, StepStats, blocks_needed
+BATCH_POLICIES = ("polyserve", "edf", "fcfs")
 
 
-class FCFSPolicy:
-    """First come, first served under a static token budget (Sarathi-style chunked prefill).
-
-    Running requests go first, oldest first; each takes what it still needs (1 token for a decode, a chunk for an
-    unfinished prefill). When KV runs out the youngest running request is preempted (recompute). Waiting requests
-    are admitted in arrival order until the budget, the sequence cap or the KV pool stops the queue.
-    """
-
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int):
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-
-    def schedule(self, now: float, running: Sequence[SchedulableRequest],
-                 waiting: Sequence[SchedulableRequest], kv: KvState) -> StepPlan:
-        plan = StepPlan()
-        budget = self.max_num_batched_tokens
-        free = kv.num_free_blocks
-        queue = list(running)  # oldest first; the tail is the first to be preempted
-        i = 0
-        while i < len(queue) and budget > 0:
-            req = queue[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = blocks_needed(req, n, kv.block_size)
-            while need > free and len(queue) - 1 > i:
-                victim = queue.pop()
-                plan.preempted.append(victim)
-                free += victim.num_blocks
-            if need > free:
-                plan.preempted.append(req)
-                free += req.num_blocks
-                queue.pop(i)
-                continue
-            free -= need
-            budget -= n
-            plan.scheduled.append((req, n))
-            i += 1
-        if plan.preempted:
-            return plan
-        num_seqs = len(plan.scheduled)
-        for req in waiting:
-            if budget <= 0 or num_seqs >= self.max_num_seqs:
-                break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = blocks_needed(req, n, kv.block_size)
-            if need > free:
-                break
-            free -= need
-            budget -= n
-            num_seqs += 1
-            plan.scheduled.append((req, n))
-        return plan
-
-    def observe(self, stats: StepStats) -> None:
-        pass
+def make_batch_policy(name: str, latency_model: LatencyModel, max_num_seqs: int, max_num_batched_tokens: int,
+                      max_prefill_chunk: int) -> BatchPolicy:
+    """`name`'s policy. PolyServe chunks prefills dynamically up to `max_prefill_chunk` tokens a step within the
+    engine's `max_num_batched_tokens`; the static-budget baselines (FCFS, EDF) spend `max_prefill_chunk` tokens a
+    step, decodes included: the same per-step prefill allowance, so a comparison differs in policy alone."""
+    if name == "polyserve":
+        return PolyServePolicy(latency_model, max_num_seqs, max_num_batched_tokens, max_prefill_chunk)
+    if name == "edf":
+        return EDFPolicy(max_num_seqs, max_prefill_chunk)
+    if name == "fcfs":
+        return FCFSPolicy(max_prefill_chunk, max_num_seqs)
+    raise ValueError(f"batch policy must be one of {', '.join(BATCH_POLICIES)}, got {name!r}")

@@ -5,9 +5,8 @@ from typing import Sequence
 
 from scheduler.chunking import largest_chunk
 from scheduler.latency_model import LatencyModel
-from scheduler.online_fit import OnlineLatencyModel
-from scheduler.slo import SLO
-from scheduler.types import KvState, SchedulableRequest, StepPlan, StepStats, blocks_needed
+from scheduler.slo import next_token_deadline
+from scheduler.types import KvState, SchedulableRequest, StepPlan, blocks_needed, is_decoding
 
 
 class PolyServePolicy:
@@ -24,11 +23,10 @@ class PolyServePolicy:
        engine's token and sequence caps. With no decode running there is no per-token budget: full chunks.
     4. A new request is admitted only if its chunk leaves a block free for every decode (their growth reserve);
        after a preemption nobody new is admitted this step.
-    A request without an SLO is held to `default_slo`. With an `OnlineLatencyModel`, `observe` feeds it.
     """
 
-    def __init__(self, latency_model: LatencyModel, default_slo: SLO, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_prefill_chunk: int | None = None):
+    def __init__(self, latency_model: LatencyModel, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if max_num_seqs > max_num_batched_tokens:
@@ -37,7 +35,6 @@ class PolyServePolicy:
         if max_prefill_chunk is not None and max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be positive, got {max_prefill_chunk}")
         self.latency_model = latency_model
-        self.default_slo = default_slo
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
@@ -46,15 +43,13 @@ class PolyServePolicy:
                  waiting: Sequence[SchedulableRequest], kv: KvState) -> StepPlan:
         plan = StepPlan()
         block_size = kv.block_size
-        default = self.default_slo
         decodes: list[SchedulableRequest] = []
         prefills: list[SchedulableRequest] = []
         blocks_wanted = 0
         for req in running:
-            computed = req.num_computed_tokens
-            if req.num_output_tokens and computed == req.num_tokens - 1:
+            if is_decoding(req):
                 decodes.append(req)
-                extra = computed // block_size + 1 - req.num_blocks
+                extra = req.num_computed_tokens // block_size + 1 - req.num_blocks
                 if extra > 0:
                     blocks_wanted += extra
             else:
@@ -66,9 +61,8 @@ class PolyServePolicy:
         budget_s = float("inf")
         kv_tokens = 0
         for req in decodes:
-            slo = req.slo or default
-            tpot_s = slo.tpot_ms / 1000.0
-            slack = req.arrival + (slo.ttft_ms + req.num_output_tokens * slo.tpot_ms) / 1000.0 - now
+            tpot_s = req.slo.tpot_ms / 1000.0
+            slack = next_token_deadline(req) - now
             if slack < tpot_s:
                 slack = tpot_s
             if slack < budget_s:
@@ -81,10 +75,7 @@ class PolyServePolicy:
             prefills.extend(waiting)
         if not prefills:
             return plan
-        deadlines = []
-        for req in prefills:
-            slo = req.slo or default
-            deadlines.append(req.arrival + (slo.ttft_ms + req.num_output_tokens * slo.tpot_ms) / 1000.0)
+        deadlines = [next_token_deadline(req) for req in prefills]
         num_decodes = len(decodes)
         tokens_left = min(self.max_num_batched_tokens - num_decodes, self.max_prefill_chunk)
         seqs_left = self.max_num_seqs - num_decodes - num_running
@@ -121,25 +112,15 @@ class PolyServePolicy:
                  prefills: list[SchedulableRequest], shortfall: int, block_size: int, plan: StepPlan) -> int:
         """Preempt running requests, most slack (latest next-token deadline) first, until the decodes' new blocks
         fit; removes them from `decodes` and `prefills` and returns the blocks left free after the decodes'."""
-        default = self.default_slo
-
-        def next_deadline(req: SchedulableRequest) -> float:
-            slo = req.slo or default
-            return req.arrival + (slo.ttft_ms + req.num_output_tokens * slo.tpot_ms) / 1000.0
-
         gone = set()
-        for victim in sorted(running, key=next_deadline, reverse=True):
+        for victim in sorted(running, key=next_token_deadline, reverse=True):
             if shortfall <= 0:
                 break
             plan.preempted.append(victim)
             gone.add(id(victim))
             shortfall -= victim.num_blocks
-            if victim.num_output_tokens and victim.num_computed_tokens == victim.num_tokens - 1:
+            if is_decoding(victim):
                 shortfall -= max(0, victim.num_computed_tokens // block_size + 1 - victim.num_blocks)
         decodes[:] = [r for r in decodes if id(r) not in gone]
         prefills[:] = [r for r in prefills if id(r) not in gone]
         return -shortfall
-
-    def observe(self, stats: StepStats) -> None:
-        if isinstance(self.latency_model, OnlineLatencyModel):
-            self.latency_model.observe(stats)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from scheduler.latency_model import LatencyModel, scaled
+
 
 @dataclass(slots=True, frozen=True)
 class GpuSpec:
@@ -131,3 +133,34 @@ class RooflineLatencyModel:
             return 0.0
         # the positive root, in the form without cancellation
         return -2.0 * constant / (linear + math.sqrt(linear * linear - 4.0 * quadratic * constant))
+
+
+# NVIDIA H200 SXM datasheet: 141 GB HBM3e.
+H200_MEMORY_BYTES = 141e9
+
+
+def parameter_count(model: ModelShape) -> int:
+    """Weights of a Llama-layout model: untied embedding and LM head, the layers' projections and two norms each,
+    the final norm (8.03e9 for Llama-3.1-8B, its published size)."""
+    per_layer = sum(i * o for i, o in model.layer_gemms()) + 2 * model.hidden_size
+    return 2 * model.vocab_size * model.hidden_size + model.num_layers * per_layer + model.hidden_size
+
+
+def kv_blocks_for_gpu(block_size: int = 16, memory_bytes: float = H200_MEMORY_BYTES,
+                      memory_utilization: float = 0.9, model: ModelShape = LLAMA_3_1_8B) -> int:
+    """KV blocks that fit beside the weights in `memory_utilization` of the GPU (activations not counted: an upper
+    bound of a few percent, as vLLM's own profiling run would take that much back)."""
+    if not 0 < memory_utilization <= 1:
+        raise ValueError(f"memory_utilization must lie in (0, 1], got {memory_utilization}")
+    kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype_bytes
+    free = memory_bytes * memory_utilization - parameter_count(model) * model.dtype_bytes
+    if free <= 0:
+        raise ValueError(f"{model.name} does not fit in {memory_bytes / 1e9:.0f} GB at {memory_utilization:.0%}")
+    return int(free // (kv_bytes_per_token * block_size))
+
+
+def emulated_latency_model(time_scale: float = 1.0, gpu: GpuSpec = H200_SXM,
+                           model: ModelShape = LLAMA_3_1_8B) -> LatencyModel:
+    """What an emulated engine stands in for by default: Llama-3.1-8B on one H200, by the roofline, every iteration
+    times `time_scale` (tests run a fleet fast while every predictor sees exactly the time the emulation sleeps)."""
+    return scaled(RooflineLatencyModel(gpu, model), time_scale)

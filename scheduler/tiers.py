@@ -20,14 +20,18 @@ class Tier:
         object.__setattr__(self, "slo", SLO(ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms))
 
 
+# Four tiers from interactive to batch, tightest first. Round figures chosen to span the range, not measured.
+DEFAULT_TIERS = "tight:20:250,standard:50:500,relaxed:100:1000,batch:250:5000"
+
+
 class TierSet:
-    """The ordered tiers, tightest TPOT first.
+    """The ordered tiers, tightest TPOT first, and the default tier of a request that names no SLO.
 
     A request names a tier, or carries its own SLO; an own SLO joins the loosest tier that is still at least as
     tight as its TPOT (the tighter neighbour when it lies between two), so the host instances meet it.
     """
 
-    def __init__(self, tiers: Sequence[Tier]):
+    def __init__(self, tiers: Sequence[Tier], default: str | None = None):
         if not tiers:
             raise ValueError("a TierSet needs at least one tier")
         names = [t.name for t in tiers]
@@ -39,6 +43,7 @@ class TierSet:
                                  f"{tighter.name} ({tighter.tpot_ms} ms) before {looser.name} ({looser.tpot_ms} ms)")
         self._tiers = tuple(tiers)
         self._by_name = {t.name: t for t in tiers}
+        self.default = self.by_name(default) if default is not None else self._tiers[-1]  # the loosest
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -72,8 +77,11 @@ class TierSet:
             joined = tier
         return joined
 
-    def resolve(self, spec: SLO | str) -> tuple[Tier, SLO]:
-        """(tier, SLO) of a request that names a tier (its SLO is the tier's) or carries its own SLO (kept)."""
+    def resolve(self, spec: SLO | str | None) -> tuple[Tier, SLO]:
+        """(tier, SLO) of a request that names a tier (its SLO is the tier's), carries its own SLO (kept) or names
+        neither (the default tier's). The one place a request's SLO is made concrete."""
+        if spec is None:
+            return self.default, self.default.slo
         if isinstance(spec, str):
             tier = self.by_name(spec)
             return tier, tier.slo
@@ -81,6 +89,16 @@ class TierSet:
             return self.for_tpot(spec.tpot_ms), spec
         raise TypeError(f"an SLO spec is a tier name or an SLO, got {type(spec).__name__}")
 
-    def tighter_than(self, tier: Tier | str) -> list[Tier]:
-        """Tiers tighter than `tier`, nearest first: the order of lazy promotion (DESIGN.md §2)."""
-        return list(reversed(self._tiers[:self.index(tier)]))
+
+def parse_tiers(spec: str, default: str | None = None) -> TierSet:
+    """"name:tpot_ms:ttft_ms,..." (tightest TPOT first) -> TierSet; `default`: a tier name (None: the loosest)."""
+    tiers = []
+    for item in spec.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 3:
+            raise ValueError(f"a tier is name:tpot_ms:ttft_ms, got {item!r}")
+        try:
+            tiers.append(Tier(parts[0], float(parts[1]), float(parts[2])))
+        except ValueError as e:
+            raise ValueError(f"tier {item!r}: {e}") from None
+    return TierSet(tiers, default)

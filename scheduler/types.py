@@ -1,7 +1,8 @@
 """What the engine and a batch policy exchange every step.
 
 Pure data: no torch, no clock. The engine's own request objects satisfy `SchedulableRequest` directly, so a
-policy reads live state without a copy per step.
+policy reads live state without a copy per step; the router's and the simulator's requests satisfy it too, so the
+attainability test reads an instance's residents as they are.
 """
 from __future__ import annotations
 
@@ -11,16 +12,22 @@ from typing import Protocol, Sequence
 from scheduler.slo import SLO
 
 
-class SchedulableRequest(Protocol):
-    request_id: str
-    arrival: float  # seconds, on the clock the engine passes to `schedule` as `now`
-    slo: SLO | None
+class ResidentRequest(Protocol):
+    """A request as the attainability test reads it, its SLO made concrete at admission: the engine's, the
+    router's and the simulator's requests all have these fields, so an instance's residents are read as they are."""
+    arrival: float  # seconds, on the clock the caller passes as `now`
+    slo: SLO
+    tier: str  # the tier it was admitted under: the key of the output-length mean it is charged
     num_prompt_tokens: int
-    num_tokens: int  # prompt + output so far
     num_computed_tokens: int  # tokens whose KV is in the cache
     num_output_tokens: int
-    num_blocks: int  # KV blocks held
     max_tokens: int  # output cap of this request
+
+
+class SchedulableRequest(ResidentRequest, Protocol):
+    """A request as the batch policy reads it: a resident, and what it holds of the KV pool."""
+    num_tokens: int  # prompt + output so far
+    num_blocks: int  # KV blocks held
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,8 +64,6 @@ class BatchPolicy(Protocol):
     def schedule(self, now: float, running: Sequence[SchedulableRequest],
                  waiting: Sequence[SchedulableRequest], kv: KvState) -> StepPlan: ...
 
-    def observe(self, stats: StepStats) -> None: ...
-
 
 def blocks_needed(req: SchedulableRequest, num_new_tokens: int, block_size: int) -> int:
     """Extra KV blocks `req` must hold to compute `num_new_tokens` more tokens."""
@@ -66,5 +71,11 @@ def blocks_needed(req: SchedulableRequest, num_new_tokens: int, block_size: int)
     return max(0, total - req.num_blocks)
 
 
+def is_decoding(req: SchedulableRequest) -> bool:
+    """Output started and everything but the newest token cached: its next step computes one token."""
+    return req.num_output_tokens > 0 and req.num_computed_tokens >= req.num_tokens - 1
+
+
 def is_decode(req: SchedulableRequest, num_new_tokens: int) -> bool:
-    return num_new_tokens == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+    """A step item that is a decode: one new token of a decoding request."""
+    return num_new_tokens == 1 and is_decoding(req)

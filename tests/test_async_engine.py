@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 import pytest
 
@@ -77,3 +78,35 @@ def test_abort_by_leaving_the_stream_frees_kv(emulated):
 
     (free, total), ok = asyncio.run(main())
     assert free == total and ok[-1].finished
+
+
+def test_every_step_reaches_the_latency_model_once_and_the_stream_beyond_the_history(emulated):
+    """The engine alone feeds its online latency model, once per step; AsyncEngine's per-step callback (what
+    /metrics and the worker's step reports hang on) fires for every step, also past the bounded step history."""
+    emulated.step_stats = deque(maxlen=4)
+    seen, snapshots = [], []
+
+    async def main():
+        aengine = AsyncEngine(emulated, on_step=lambda stats, snap: (seen.append(stats), snapshots.append(snap)),
+                              snapshot=lambda engine: len(engine.running))
+        await aengine.start()
+        try:
+            outs = await asyncio.gather(*[_collect(aengine, f"r{i}", 12) for i in range(3)])
+            for _ in range(100):  # the last step's callback is delivered after the last output
+                if len(seen) == emulated.num_steps:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await aengine.stop()
+        return outs
+
+    outs = asyncio.run(main())
+    assert all(o[-1].finished for o in outs)
+    assert emulated.num_steps >= 12 > len(emulated.step_stats)
+    assert len(seen) == emulated.num_steps == emulated.latency_model.num_observations
+    assert len({id(s) for s in seen}) == len(seen)
+    assert max(snapshots) == 3 and snapshots[-1] == 0  # taken on the engine thread right after each step
+
+
+async def _collect(aengine: AsyncEngine, rid: str, n: int):
+    return [o async for o in aengine.generate(rid, [3, 4, 5], SamplingParams(max_tokens=n))]

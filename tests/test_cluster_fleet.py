@@ -18,6 +18,7 @@ from cluster.fleet import InstanceStatus
 from cluster.launcher import LaunchError, LocalLauncher
 from cluster.router import Router
 from cluster.service import RouterService
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 from scheduler.tiers import Tier, TierSet
@@ -53,8 +54,8 @@ class RecordingService(RouterService):
 
 def make_service(model: str, heartbeat_timeout_s: float = 3.0, **limits) -> RecordingService:
     router = Router(TIERS, emulated_latency_model(TIME_SCALE), autoscaler=Autoscaler(ScalingLimits(**limits)))
-    launcher = LocalLauncher(["--executor", "emulated", "--model", model, "--num-kv-blocks", str(NUM_KV_BLOCKS),
-                              "--time-scale", str(TIME_SCALE), "--heartbeat-s", "0.2"])
+    launcher = LocalLauncher(EngineConfig(model=model, executor="emulated", num_kv_blocks=NUM_KV_BLOCKS,
+                                          time_scale=TIME_SCALE), heartbeat_s=0.2)
     return RecordingService(router, launcher=launcher, heartbeat_timeout_s=heartbeat_timeout_s, tick_s=0.05,
                             drain_timeout_s=10.0)
 
@@ -82,8 +83,9 @@ class Client:
         prompt = [3 + (i * 7) % 900 for i in range(prompt_len)]
         last, n = None, 0
         loop = asyncio.get_running_loop()
-        async for out in self.service.generate(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens),
-                                               slo, loop.time()):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        async for out in self.service.generate(rid, prompt, params, TIERS.for_tpot(slo.tpot_ms).name, slo,
+                                               loop.time()):
             n += len(out.new_token_ids)
             if n:
                 self.first_token[rid].set()
@@ -229,8 +231,8 @@ def test_one_worker_per_gpu_each_seeing_only_its_own(tiny_model):
     """--gpus: each worker process gets its own device as CUDA_VISIBLE_DEVICES, no more workers than devices, and
     a device is handed out again once its worker is gone (emulated workers here: the assignment is the same)."""
     async def main():
-        launcher = LocalLauncher(["--executor", "emulated", "--model", tiny_model, "--num-kv-blocks", "16"],
-                                 gpus=["0", "3"])
+        config = EngineConfig(model=tiny_model, executor="emulated", num_kv_blocks=16)
+        launcher = LocalLauncher(config, gpus=["0", "3"])
         assert launcher.capacity == 2
         try:
             await launcher.start("a")
@@ -244,7 +246,7 @@ def test_one_worker_per_gpu_each_seeing_only_its_own(tiny_model):
             assert _visible_devices(launcher.pid("c")) == "0"
         finally:
             await launcher.close()
-        no_gpus = LocalLauncher(["--executor", "emulated", "--model", tiny_model, "--num-kv-blocks", "16"])
+        no_gpus = LocalLauncher(config)
         assert no_gpus.capacity is None
         try:
             await no_gpus.start("x")

@@ -15,20 +15,20 @@ from cluster import protocol as p
 from cluster.emulation import emulated_latency_model
 from cluster.router import Router
 from cluster.service import RouterService
-from cluster.worker import ResidentRecorder, Worker
+from cluster.worker import Worker
 from engine.api_server import NoInstanceError
 from engine.config import EngineConfig
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
-from scheduler.policy import FCFSPolicy
+from scheduler.fcfs import FCFSPolicy
 from scheduler.slo import SLO
 from scheduler.tiers import Tier, TierSet
 
 SAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, "engine-0", 123, 5.5, 1000, 16, 4096, 32000, True, "emulated"),
-    p.Submit("r1", [1, 2, 3], p.SamplingSpec(temperature=0.0, max_tokens=7, stop=["\n"], seed=3), p.SLOSpec(250, 20),
-             0.125, "tight"),
-    p.Submit("r2", list(range(5000)), p.SamplingSpec(), None, 0.0),
+    p.Submit("r1", [1, 2, 3], p.SamplingSpec(temperature=0.0, max_tokens=7, stop=["\n"], seed=3), "tight", SLO(250, 20),
+             0.125),
+    p.Submit("r2", list(range(5000)), p.SamplingSpec(), "batch", SLO(5000, 250), 0.0),
     p.Abort("r1"),
     p.Drain(),
     p.Tokens([p.TokenDelta("r1", [5, 6], "ab", [1.0, 1.5], [-0.1, -0.2]), p.TokenDelta("r2", [], "", [])]),
@@ -52,13 +52,13 @@ def test_every_message_round_trips(msg):
 
 def test_other_versions_and_garbage_are_protocol_errors():
     body = msgspec.msgpack.decode(p.encode_frame(SAMPLES[3])[4:])
-    body[0] = "abort.2"
-    with pytest.raises(p.ProtocolError, match="abort.2"):
+    body[0] = other = f"abort.{p.PROTOCOL_VERSION + 1}"
+    with pytest.raises(p.ProtocolError, match=other):
         p.decode_payload(msgspec.msgpack.encode(body))
     with pytest.raises(p.ProtocolError, match="malformed"):
-        p.decode_payload(msgspec.msgpack.encode(["submit.1", "r", "not a list", [], None, 0.0]))
+        p.decode_payload(msgspec.msgpack.encode([f"submit.{p.PROTOCOL_VERSION}", "r", "not a list", [], "", {}, 0.0]))
     with pytest.raises(ValueError, match="exceeds the bound"):
-        p.encode_frame(p.Submit("big", [7] * 100, p.SamplingSpec(), None, 0.0), max_bytes=64)
+        p.encode_frame(p.Submit("big", [7] * 100, p.SamplingSpec(), "", SLO(1000, 100), 0.0), max_bytes=64)
 
 
 def test_decoder_fuzz_raises_only_protocol_errors():
@@ -101,16 +101,15 @@ async def _read_all(reader: asyncio.StreamReader, until_finish: str | None = Non
 
 def _submit(rid: str, max_tokens: int = 20) -> bytes:
     return p.encode_frame(p.Submit(rid, [5, 6, 7, 8], p.SamplingSpec(temperature=0.0, max_tokens=max_tokens),
-                                   p.SLOSpec(1000, 100), 0.0))
+                                   "std", SLO(1000, 100), 0.0))
 
 
 def test_worker_survives_fuzzed_connections(tmp_path, caplog):
     engine = build_engine(EngineConfig(model=_tiny_model(tmp_path), executor="emulated", num_kv_blocks=256),
-                          ResidentRecorder(FCFSPolicy(2048, 64)), step_time=lambda *_: 0.002)
-    recorder = engine.policy
+                          FCFSPolicy(2048, 64), step_time=lambda *_: 0.002)
 
     async def scenario():
-        worker = Worker(engine, recorder, instance_id="w", executor="emulated", heartbeat_s=0.2)
+        worker = Worker(engine, instance_id="w", heartbeat_s=0.2)
         port = await worker.start()
         good_r, good_w = await asyncio.open_connection("127.0.0.1", port)
         hello = await p.read_message(good_r)
@@ -125,8 +124,9 @@ def test_worker_survives_fuzzed_connections(tmp_path, caplog):
             kind = kinds[i % len(kinds)]
             r, w = await asyncio.open_connection("127.0.0.1", port)
             assert isinstance(await p.read_message(r), p.Hello)
-            if kind == "random":
+            if kind == "random":  # then EOF: a random header may announce more bytes than follow
                 w.write(bytes(rng.randrange(256) for _ in range(rng.randrange(5, 200))))
+                w.write_eof()
             elif kind == "bad_payload":
                 junk = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 100)))
                 w.write(p.HEADER.pack(len(junk)) + junk)
@@ -168,15 +168,15 @@ def test_worker_survives_fuzzed_connections(tmp_path, caplog):
 
 def test_worker_rejects_bad_requests_and_drains(tmp_path):
     engine = build_engine(EngineConfig(model=_tiny_model(tmp_path), executor="emulated", num_kv_blocks=64),
-                          ResidentRecorder(FCFSPolicy(2048, 64)), step_time=lambda *_: 0.001)
+                          FCFSPolicy(2048, 64), step_time=lambda *_: 0.001)
 
     async def scenario():
-        worker = Worker(engine, engine.policy, instance_id="w", executor="emulated")
+        worker = Worker(engine, instance_id="w")
         port = await worker.start()
         r, w = await asyncio.open_connection("127.0.0.1", port)
         await p.read_message(r)
-        w.write(p.encode_frame(p.Submit("oov", [5, 5000], p.SamplingSpec(), None, 0.0)))
-        w.write(p.encode_frame(p.Submit("neg", [5], p.SamplingSpec(temperature=-1.0), None, 0.0)))
+        w.write(p.encode_frame(p.Submit("oov", [5, 5000], p.SamplingSpec(), "std", SLO(1000, 100), 0.0)))
+        w.write(p.encode_frame(p.Submit("neg", [5], p.SamplingSpec(temperature=-1.0), "std", SLO(1000, 100), 0.0)))
         w.write(_submit("ok", max_tokens=30))
         w.write(p.encode_frame(p.Drain()))
         w.write(_submit("late"))
@@ -207,7 +207,7 @@ def test_router_drops_an_engine_that_sends_garbage_and_keeps_serving():
         service = RouterService(Router(tiers, emulated_latency_model()), heartbeat_timeout_s=5.0)
         await service.start()
         await service.attach("127.0.0.1", server.sockets[0].getsockname()[1])
-        gen = service.generate("x", [1, 2, 3], SamplingParams(max_tokens=4), SLO(1000, 50), 0.0)
+        gen = service.generate("x", [1, 2, 3], SamplingParams(max_tokens=4), "std", SLO(1000, 50), 0.0)
         with pytest.raises(NoInstanceError):  # its only instance died before a token: nowhere to place it again
             await asyncio.wait_for(anext(gen), 10)
         assert "bad" not in service.router.fleet.instances and not service.links
@@ -216,3 +216,11 @@ def test_router_drops_an_engine_that_sends_garbage_and_keeps_serving():
         server.close()
 
     asyncio.run(scenario())
+
+
+def test_sampling_spec_carries_every_sampling_param_by_name():
+    params = SamplingParams(temperature=0.3, top_k=5, top_p=0.9, seed=7, max_tokens=9, stop=["x"], stop_token_ids=[3],
+                            ignore_eos=True, logprobs=True)
+    assert set(p.SamplingSpec.__struct_fields__) == set(SamplingParams.__dataclass_fields__)
+    wire = p.decode_payload(p.encode_frame(p.Submit("r", [1], p.SamplingSpec.of(params), "t", SLO(100, 10), 0.0))[4:])
+    assert wire.sampling.params() == params and wire.slo == SLO(100, 10)

@@ -24,7 +24,7 @@ def random_prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
 def test_greedy_equals_transformers_mixed_lengths(tiny_model):
     folder, hf = tiny_model
     prompts = random_prompts(hf.config.vocab_size, [3, 17, 40, 1, 29])
-    llm = LLM(folder, max_num_batched_tokens=64, num_kv_blocks=64)
+    llm = LLM(folder, max_num_batched_tokens=64, num_kv_blocks=64, batch_policy="fcfs")
     outs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
@@ -49,7 +49,8 @@ def test_first_step_logits_close(llama_tiny):
 def test_chunked_prefill_across_many_steps(llama_tiny):
     folder, hf = llama_tiny
     prompts = random_prompts(hf.config.vocab_size, [45, 33, 8], seed=2)
-    llm = LLM(folder, max_num_batched_tokens=7, num_kv_blocks=64)  # a 45-token prompt needs 7 steps
+    # a 45-token prompt needs 7 steps
+    llm = LLM(folder, max_num_batched_tokens=7, num_kv_blocks=64, batch_policy="fcfs")
     outs = llm.generate(prompts, GREEDY)
     stats = list(llm.engine.step_stats)
     assert max(s.num_prefill_tokens + s.num_decode_seqs for s in stats) <= 7
@@ -63,7 +64,8 @@ def test_preemption_by_recompute_keeps_output_exact(llama_tiny):
     prompts = random_prompts(hf.config.vocab_size, [30, 31, 29, 28], seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     # 4 sequences of up to 55 tokens need 16 blocks of 16; 9 blocks force preemption.
-    llm = LLM(folder, num_kv_blocks=9, max_num_batched_tokens=256, enable_prefix_caching=False)
+    llm = LLM(folder, num_kv_blocks=9, max_num_batched_tokens=256, enable_prefix_caching=False,
+              batch_policy="fcfs")
     preempted = []
     original = llm.engine._preempt
     llm.engine._preempt = lambda r: (preempted.append(r.request_id), original(r))

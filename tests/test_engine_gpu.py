@@ -28,7 +28,7 @@ def test_tiny_model_greedy_equals_transformers_on_gpu(llama_tiny, kernels, eager
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 40, 1, 29)]
     llm = LLM(folder, "cuda", dtype="float32", kernels=kernels, max_num_batched_tokens=32, num_kv_blocks=64,
-              enforce_eager=eager, max_num_seqs=8)
+              batch_policy="fcfs", enforce_eager=eager, max_num_seqs=8)
     assert (llm.engine.executor.graphs is None) == eager
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
         assert out.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from engine import EngineConfig, build_engine
+from engine.engine import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from scheduler import RequestSnapshot, measure_request
 from scheduler.slo import SLO
@@ -42,7 +43,7 @@ def workload(seed: int = 0):
 
 def run(folder: str, policy: str) -> dict[str, list[bool]]:
     clock = VirtualClock()
-    engine = build_engine(EngineConfig(model=folder, executor="emulated", num_kv_blocks=1200, policy=policy,
+    engine = build_engine(EngineConfig(model=folder, executor="emulated", num_kv_blocks=1200, batch_policy=policy,
                                        max_num_batched_tokens=2048), latency_model=KnownLatency())
     engine.executor.sleep, engine.clock = clock.advance, clock.now
     pending = workload()
@@ -74,22 +75,45 @@ def test_polyserve_keeps_tight_slos_that_fcfs_misses(llama_tiny):
     assert sum(poly["loose"]) / 12 >= 0.9  # and the batch requests still make their loose targets
 
 
-def test_engine_answers_the_attainability_test(llama_tiny):
+def test_engine_admission_test_and_predicted_iteration(llama_tiny):
+    """The engine's admission test (what engine.serve refuses by) reads its latency model and KV pool; a step
+    predicts its own end by the same model."""
     clock = VirtualClock()
-    engine = build_engine(EngineConfig(model=llama_tiny[0], executor="emulated", num_kv_blocks=64,
-                                       policy="polyserve"), latency_model=KnownLatency())
+    engine = build_engine(EngineConfig(model=llama_tiny[0], executor="emulated", num_kv_blocks=64),
+                          latency_model=KnownLatency())
     engine.executor.sleep, engine.clock = clock.advance, clock.now
+    kv_tokens = engine.blocks.num_total_blocks * engine.block_size
+    assert kv_tokens == 64 * 16
+    check = engine.attainability.check_idle
     short = RequestSnapshot(arrival=0.0, num_prompt_tokens=100, max_tokens=20, slo=TIGHT)
-    assert engine.check_attainable(0.0, short).ok
+    assert check(short, kv_tokens).ok
     too_fast = RequestSnapshot(arrival=0.0, num_prompt_tokens=100, max_tokens=20, slo=SLO(ttft_ms=300, tpot_ms=5))
-    verdict = engine.check_attainable(0.0, too_fast)
+    verdict = check(too_fast, kv_tokens)
     assert not verdict.ok and verdict.reason.value in ("tpot", "second_token")
     too_long = RequestSnapshot(arrival=0.0, num_prompt_tokens=900, max_tokens=200, slo=LOOSE)
-    verdict = engine.check_attainable(0.0, too_long)  # 1100 tokens of KV in a 1024-token pool
+    verdict = check(too_long, kv_tokens)  # 1100 tokens of KV in a 1024-token pool
     assert not verdict.ok and verdict.reason.value == "kv_capacity"
     for i in range(3):
         engine.add_request(f"r{i}", list(range(1, 60)), SamplingParams(max_tokens=50), slo=TIGHT)
     engine.step()
-    state = engine.instance_state(tpot_ms=30)
-    assert len(state.residents) == 3 and state.kv_capacity_tokens == 64 * 16
-    assert state.iteration_end == pytest.approx(KnownLatency().predict(3 * 59, 0, 3 * 59))
+    assert engine.iteration_end == pytest.approx(KnownLatency().predict(3 * 59, 0, 3 * 59))
+    assert {r.tier for r in engine.running} == {engine.tiers.for_tpot(TIGHT.tpot_ms).name}
+
+
+def test_engine_makes_the_slo_concrete_once_at_admission(llama_tiny):
+    """A request naming no SLO gets the default tier's; a tier name gets that tier's; an SLO of its own is kept and
+    joins its tier; an SLO no tier hosts, or an unknown tier, is refused before anything runs."""
+    config = EngineConfig(model=llama_tiny[0], executor="emulated", num_kv_blocks=64,
+                          tiers="fast:30:300,slow:500:5000", default_tier="fast")
+    engine = build_engine(config, latency_model=KnownLatency())
+    params = SamplingParams(max_tokens=2)
+    assert (engine.add_request("none", [1, 2], params).tier, engine.requests["none"].slo) == \
+        ("fast", SLO(300, 30))
+    assert engine.add_request("named", [1, 2], params, slo="slow").slo == SLO(5000, 500)
+    own = engine.add_request("own", [1, 2], params, slo=SLO(1000, 100))
+    assert (own.tier, own.slo) == ("fast", SLO(1000, 100))  # between the tiers: the tighter one hosts it
+    with pytest.raises(InvalidRequestError, match="tighter than the tightest tier"):
+        engine.add_request("too-tight", [1, 2], params, slo=SLO(1000, 5))
+    with pytest.raises(InvalidRequestError, match="unknown tier"):
+        engine.add_request("unknown", [1, 2], params, slo="gold")
+    assert set(engine.requests) == {"none", "named", "own"}

@@ -13,12 +13,20 @@ import pytest
 from engine import EngineConfig, build_engine
 from engine.api_server import ServerThread, build_app
 from engine.engine_backend import EngineBackend
-from engine.serve import AffineStepTime, parse_tiers
 
 MODEL = "emulated"
 PREFILL_FAILS = 7  # a prompt of this many tokens makes its prefill step raise
 DECODE_FAILS = (11, 13)  # a prompt of 11 tokens makes the decode step at 13 KV tokens (its third token) raise
 SLOW_PREFILL = 5  # a prompt of this many tokens takes a 1 s prefill step
+
+
+class AffineStepTime:
+    """Fixed cost + per prefill token + per decode sequence: a step time the test controls exactly."""
+
+    def predict(self, num_prefill_tokens: int, num_decode_seqs: int, num_kv_tokens: int) -> float:
+        return 5e-3 + 0.05e-3 * num_prefill_tokens + 0.02e-3 * num_decode_seqs
+
+
 AFFINE = AffineStepTime()
 
 
@@ -33,12 +41,12 @@ def step_time(num_prefill_tokens: int, num_decode_seqs: int, num_kv_tokens: int)
 
 
 def make_server(default_model) -> tuple[ServerThread, EngineBackend]:
-    engine = build_engine(EngineConfig(default_model, executor="emulated", num_kv_blocks=64), step_time=step_time,
-                          latency_model=AFFINE)
+    config = EngineConfig(default_model, executor="emulated", num_kv_blocks=64,
+                          tiers="t4:4:1000,std:50:1000,loose:200:10000", default_tier="loose")
+    engine = build_engine(config, latency_model=AFFINE, step_time=step_time)
     # the emulated step time is exact, so admission can tell what an idle instance attains; tier t4 cannot be
     # (one decode step alone takes 5.02 ms)
-    backend = EngineBackend(engine, MODEL, parse_tiers("t4:4:1000,std:50:1000,loose:200:10000"), "loose",
-                            check_idle=True, max_pending=1, retry_after_s=2.5)
+    backend = EngineBackend(engine, MODEL, check_idle=True, max_pending=1, retry_after_s=2.5)
     return ServerThread(build_app(backend)), backend
 
 

@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import LLM, SamplingParams
 from engine.api_server import ServerThread, build_app
 from engine.engine_backend import EngineBackend
-from engine.serve import parse_tiers
 
 MODEL = "smollm2-test"
 PROMPT = "The capital of France is"
@@ -30,11 +29,11 @@ TIERS = "fast:500:20000,slow:5000:60000"  # loose: CPU steps under load take ~0.
 def served(default_model):
     """(server, backend, offline references). References are computed first, on the same engine, before its step
     loop starts: the engine is single-threaded."""
-    llm = LLM(default_model, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
+    llm = LLM(default_model, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, tiers=TIERS, default_tier="slow")
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=True)
     refs = {"completion": llm.generate(PROMPT, greedy)[0], "chat": llm.chat(CHAT, greedy)[0],
             "stop": llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["."]))[0]}
-    backend = EngineBackend(llm.engine, MODEL, parse_tiers(TIERS), "slow")
+    backend = EngineBackend(llm.engine, MODEL)
     with ServerThread(build_app(backend, client_max_size=MAX_BODY)) as server:
         yield server, backend, refs
 

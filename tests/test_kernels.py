@@ -313,6 +313,7 @@ def test_engine_generates_the_same_tokens_with_the_triton_kernels(llama_tiny):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens = {}
     for kernels in ("reference", "triton"):
-        llm = LLM(folder, device=DEVICE, kernels=kernels, max_num_batched_tokens=16, num_kv_blocks=32)
+        llm = LLM(folder, device=DEVICE, kernels=kernels, max_num_batched_tokens=16, num_kv_blocks=32,
+                  batch_policy="fcfs")
         tokens[kernels] = [out.token_ids for out in llm.generate(prompts, greedy)]
     assert tokens["triton"] == tokens["reference"]

@@ -23,7 +23,8 @@ def hf_model(default_model):
 
 def test_chat_greedy_text_identical_to_transformers(default_model, hf_model):
     model, tok = hf_model
-    llm = LLM(default_model, max_num_batched_tokens=64)  # prompts of ~30 tokens: chunked prefill mixes with decodes
+    # prompts of ~30 tokens: chunked prefill mixes with decodes
+    llm = LLM(default_model, max_num_batched_tokens=64, batch_policy="fcfs")
     params = SamplingParams(temperature=0, max_tokens=32)
     outs = llm.chat([[{"role": "user", "content": c}] for c in CHATS], params)
     for chat, out in zip(CHATS, outs):

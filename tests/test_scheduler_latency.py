@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import (A100_SXM, H100_SXM, H200_SXM, LLAMA_3_1_8B, SLO, ModelShape, OnlineLatencyModel,
-                       PolyServePolicy, ProfileTable, RooflineLatencyModel, StepStats, largest_chunk)
+from scheduler import (A100_SXM, H100_SXM, H200_SXM, LLAMA_3_1_8B, ModelShape, OnlineLatencyModel, ProfileTable,
+                       RooflineLatencyModel, StepStats, largest_chunk)
 from scheduler.build_profiles import PROFILE_DIR, SHIPPED, roofline_profile
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -319,16 +319,6 @@ def test_online_fit_before_any_step_is_the_prior():
         assert model.num_observations == 0
         for p, d, k in ((500, 20, 4000), (0, 1, 300), (1024, 32, 10000), (100, 5, 7000)):
             assert model.predict(p, d, k) == pytest.approx(prior.predict(p, d, k), rel=1e-4)
-
-
-def test_policy_observe_feeds_its_online_model():
-    model = OnlineLatencyModel(Linear(0.01, 1e-5, 1e-4, 1e-8))
-    policy = PolyServePolicy(model, SLO(ttft_ms=1000, tpot_ms=50), max_num_seqs=8, max_num_batched_tokens=512)
-    before = model.predict(0, 8, 8000)
-    for _ in range(200):
-        policy.observe(StepStats(0.0, 0.05, 0, 8, 8000, 10, 8, 0))
-    assert model.num_observations == 200
-    assert model.predict(0, 8, 8000) == pytest.approx(0.05, rel=0.02) != pytest.approx(before, rel=0.02)
 
 
 def test_online_fit_rejects_bad_settings():

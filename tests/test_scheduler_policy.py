@@ -13,13 +13,14 @@ class Req:
     """Satisfies scheduler.types.SchedulableRequest."""
     request_id: str
     arrival: float
-    slo: SLO | None
+    slo: SLO
     num_prompt_tokens: int
     num_tokens: int
     num_computed_tokens: int
     num_output_tokens: int
     num_blocks: int
     max_tokens: int = 1000
+    tier: str = ""
 
 
 def decoding(name, arrival, slo, prompt=1000, out=10, blocks=None):
@@ -52,7 +53,7 @@ NOW = 100.0
 def policy(**kw):
     args = dict(max_num_seqs=64, max_num_batched_tokens=4096, max_prefill_chunk=4096)
     args.update(kw)
-    return PolyServePolicy(MODEL, TPOT20, **args)
+    return PolyServePolicy(MODEL, **args)
 
 
 def decodes_with_slack(slacks_ms, slo=TPOT20, out=10):
@@ -80,15 +81,6 @@ def test_late_decode_budget_is_floored_at_its_tpot():
     running = decodes_with_slack([-5, 40, 60, 100])  # d0 is late: its budget is its tpot, 20 ms
     plan = policy().schedule(NOW, running, [queued("w", NOW, TPOT20, 3000)], ROOMY)
     assert chunks(plan)[-1] == ("w", 910)  # (20 - 10.804) / 0.0101 = 910.5
-
-
-def test_request_without_slo_is_held_to_the_default():
-    running = decodes_with_slack([40, 60, 100])
-    no_slo = decoding("free", NOW - 10, None)  # far past its default deadlines: floored at the default 22 ms
-    plan = PolyServePolicy(MODEL, SLO(ttft_ms=1000, tpot_ms=22), max_num_seqs=64,
-                           max_num_batched_tokens=4096).schedule(NOW, running + [no_slo],
-                                                                 [queued("w", NOW, TPOT20, 3000)], ROOMY)
-    assert chunks(plan)[-1] == ("w", 1108)  # (22 - 10.804) / 0.0101 = 1108.5
 
 
 def test_no_decodes_means_full_chunks_in_deadline_order():
@@ -157,9 +149,9 @@ def test_admission_leaves_each_decode_a_block_to_grow():
 
 def test_policy_rejects_bad_configuration():
     with pytest.raises(ValueError, match="exceeds max_num_batched_tokens"):
-        PolyServePolicy(MODEL, TPOT20, max_num_seqs=512, max_num_batched_tokens=256)
+        PolyServePolicy(MODEL, max_num_seqs=512, max_num_batched_tokens=256)
     with pytest.raises(ValueError, match="max_prefill_chunk"):
-        PolyServePolicy(MODEL, TPOT20, max_num_seqs=8, max_num_batched_tokens=256, max_prefill_chunk=0)
+        PolyServePolicy(MODEL, max_num_seqs=8, max_num_batched_tokens=256, max_prefill_chunk=0)
 
 
 # ---- baselines --------------------------------------------------------------------------------------------------
@@ -170,7 +162,7 @@ def test_edf_static_budget_lets_a_far_decode_stall():
     d_far = decoding("d_far", NOW - 0.5 - 1.0 + 0.3, slo)  # due NOW + 0.3
     waiting = [queued("w1", NOW - 0.45, slo, 80),  # first token due NOW + 0.05
                queued("w2", NOW - 0.40, slo, 50)]  # NOW + 0.10
-    plan = EDFPolicy(slo, max_num_seqs=8, max_num_batched_tokens=100).schedule(NOW, [d_soon, d_far], waiting, ROOMY)
+    plan = EDFPolicy(max_num_seqs=8, max_num_batched_tokens=100).schedule(NOW, [d_soon, d_far], waiting, ROOMY)
     assert chunks(plan) == [("d_soon", 1), ("w1", 80), ("w2", 19)]  # d_far gets nothing this step
 
 
@@ -180,7 +172,7 @@ def test_edf_preempts_latest_deadline_first():
     later = decoding("later", NOW - 1.5 + 0.2, slo, out=25)
     latest = decoding("latest", NOW - 1.5 + 0.9, slo, out=25)
     kv = KvState(block_size=BLOCK, num_free_blocks=1, num_total_blocks=200)  # each needs one new block
-    plan = EDFPolicy(slo, max_num_seqs=8, max_num_batched_tokens=100).schedule(NOW, [latest, soon, later], [], kv)
+    plan = EDFPolicy(max_num_seqs=8, max_num_batched_tokens=100).schedule(NOW, [latest, soon, later], [], kv)
     assert [r.request_id for r in plan.preempted] == ["latest"]
     assert chunks(plan) == [("soon", 1), ("later", 1)]
 
@@ -189,7 +181,7 @@ def test_all_policies_share_the_interface():
     slo = SLO(ttft_ms=500, tpot_ms=100)
     running = decodes_with_slack([40, 60], slo=slo)
     waiting = [queued("w", NOW, slo, 50)]
-    for p in (FCFSPolicy(64, 8), EDFPolicy(slo, 8, 64), PolyServePolicy(MODEL, slo, 8, 64)):
+    for p in (FCFSPolicy(64, 8), EDFPolicy(8, 64), PolyServePolicy(MODEL, 8, 64)):
         plan = p.schedule(NOW, running, waiting, ROOMY)
         assert sorted(chunks(plan)) == [("d0", 1), ("d1", 1), ("w", 50)], type(p).__name__
 
@@ -201,7 +193,7 @@ def test_plan_invariants_on_random_states():
     for trial in range(300):
         running, waiting = [], []
         for i in range(rng.randint(0, 40)):
-            slo = rng.choice(tiers + [None])
+            slo = rng.choice(tiers)
             if rng.random() < 0.8:
                 running.append(decoding(f"d{i}", NOW - rng.uniform(0, 3), slo, prompt=rng.randint(1, 900),
                                         out=rng.randint(1, 300)))
@@ -211,12 +203,12 @@ def test_plan_invariants_on_random_states():
                 running.append(Req(f"p{i}", NOW - rng.uniform(0, 1), slo, prompt, prompt, computed, 0,
                                    -(-computed // BLOCK)))
         for i in range(rng.randint(0, 40)):
-            waiting.append(queued(f"w{i}", NOW - rng.uniform(0, 1), rng.choice(tiers + [None]), rng.randint(1, 900)))
+            waiting.append(queued(f"w{i}", NOW - rng.uniform(0, 1), rng.choice(tiers), rng.randint(1, 900)))
         kv = KvState(block_size=BLOCK, num_free_blocks=rng.choice([0, 3, 20, 200]), num_total_blocks=5000)
         max_tokens, max_seqs = rng.choice([64, 512, 2048]), 48
-        polyserve = PolyServePolicy(MODEL, TPOT20, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
+        polyserve = PolyServePolicy(MODEL, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                                     max_prefill_chunk=rng.choice([32, 256, 2048]))
-        edf = EDFPolicy(TPOT20, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens)
+        edf = EDFPolicy(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens)
         for p in (polyserve, edf):
             plan = p.schedule(NOW, running, waiting, kv)
             ids = [r.request_id for r, _ in plan.scheduled] + [r.request_id for r in plan.preempted]
@@ -237,7 +229,7 @@ def test_plan_invariants_on_random_states():
                 prefill = [(r, n) for r, n in plan.scheduled if (r, n) not in [(d, 1) for d in decodes]]
                 if decodes and prefill:
                     def budget(r):
-                        slo = r.slo or TPOT20
+                        slo = r.slo
                         return max(slo.token_deadline(r.arrival, r.num_output_tokens + 1) - NOW, slo.tpot_ms / 1000)
                     predicted = MODEL.predict(sum(n for _, n in prefill), len(decodes),
                                               sum(r.num_tokens for r in decodes)

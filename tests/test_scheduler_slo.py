@@ -4,7 +4,10 @@ Times use binary fractions (0.0625 s = 62.5 ms, ...) so every deadline and gap i
 """
 import pytest
 
+from types import SimpleNamespace
+
 from scheduler import SLO, AttainmentTally, Tier, TierSet, measure_request, next_token_deadline
+from scheduler.tiers import parse_tiers
 
 
 def test_cumulative_token_deadline():
@@ -12,7 +15,8 @@ def test_cumulative_token_deadline():
     assert slo.token_deadline(10.0, 1) == pytest.approx(10.2)
     assert slo.token_deadline(10.0, 3) == pytest.approx(10.3)
     # the next token of a request that has 2 outputs is token 3
-    assert next_token_deadline(slo, 10.0, 2) == slo.token_deadline(10.0, 3)
+    request = SimpleNamespace(arrival=10.0, slo=slo, num_output_tokens=2)
+    assert next_token_deadline(request) == slo.token_deadline(10.0, 3)
 
 
 @pytest.mark.parametrize("ttft, tpot", [(0, 50), (200, 0), (-1, 50)])
@@ -52,9 +56,17 @@ def test_tier_errors_name_the_problem():
         TIERS.resolve(50)
 
 
-def test_promotion_order_is_nearest_tighter_first():
-    assert [t.name for t in TIERS.tighter_than("bronze")] == ["silver", "gold"]
-    assert TIERS.tighter_than("gold") == []
+def test_default_tier_and_tier_specs():
+    assert TIERS.resolve(None) == (TIERS.by_name("bronze"), TIERS.by_name("bronze").slo)  # the loosest by default
+    chosen = TierSet(list(TIERS), default="silver")
+    assert chosen.resolve(None)[0].name == "silver"
+    parsed = parse_tiers("gold:20:200, silver:50:500", default="gold")
+    assert [(t.name, t.tpot_ms, t.ttft_ms) for t in parsed] == [("gold", 20.0, 200.0), ("silver", 50.0, 500.0)]
+    assert parsed.default.name == "gold"
+    with pytest.raises(ValueError, match="name:tpot_ms:ttft_ms"):
+        parse_tiers("gold:20")
+    with pytest.raises(ValueError, match="unknown tier 'platinum'"):
+        parse_tiers("gold:20:200", default="platinum")
 
 
 # SLO: ttft 125 ms, tpot 62.5 ms, arrival 1.0 -> token deadlines 1.125, 1.1875, 1.25, 1.3125
