@@ -89,9 +89,13 @@ def workload_steps(llm: LLM, seed: int = 0):
                for n in torch.randint(16, 400, (24,), generator=g)]
     params = [SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True)
               for n in torch.randint(8, 64, (24,), generator=g)]
-    before = len(llm.engine.step_stats)
-    llm.generate(prompts, params)
-    return list(llm.engine.step_stats)[before:]
+    steps = []
+    llm.engine.step_hooks.append(steps.append)  # every step, however many the bounded history keeps
+    try:
+        llm.generate(prompts, params)
+    finally:
+        llm.engine.step_hooks.remove(steps.append)
+    return steps
 
 
 def mape(model, steps) -> float:

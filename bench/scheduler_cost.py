@@ -28,13 +28,17 @@ NOW = 1000.0
 class BenchRequest:
     request_id: str
     arrival: float
-    slo: SLO | None
+    slo: SLO
     num_prompt_tokens: int
     num_tokens: int
     num_computed_tokens: int
     num_output_tokens: int
     num_blocks: int
     max_tokens: int
+
+    @property
+    def tier(self) -> str:
+        return str(self.slo.tpot_ms)
 
 
 def make_requests(rng: random.Random, n_running: int, n_waiting: int):
@@ -82,8 +86,7 @@ def main() -> None:
     kv = KvState(block_size=BLOCK, num_free_blocks=20_000, num_total_blocks=60_000)
     print("PolyServePolicy.schedule, 256 running + 256 waiting (target <= 200 us):")
     for name, model in models.items():
-        policy = PolyServePolicy(model, TIERS[1], max_num_seqs=512, max_num_batched_tokens=8192,
-                                 max_prefill_chunk=2048)
+        policy = PolyServePolicy(model, max_num_seqs=512, max_num_batched_tokens=8192, max_prefill_chunk=2048)
         plan = policy.schedule(NOW, running, waiting, kv)
         prefill = sum(n for r, n in plan.scheduled if r.num_output_tokens == 0)
         us = median_us(lambda: policy.schedule(NOW, running, waiting, kv), 2000)

@@ -113,7 +113,7 @@ class Engine:
                                       f"({self.executor.num_kv_blocks * self.block_size} tokens)")
         generator = None
         if params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=getattr(self.executor, "device", "cpu")).manual_seed(params.seed)
+            generator = torch.Generator(device=self.executor.device).manual_seed(params.seed)
         req = Request(request_id, next(self._seq_ids), ids, params, self.clock() if arrival is None else arrival,
                       slo=slo, tier=tier, generator=generator)
         self.blocks.add_sequence(req.seq_id, ids)

@@ -8,12 +8,13 @@ from typing import Callable, Protocol
 
 import torch
 
+from engine._C import BatchMetadata
 from engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class StepBatch:
-    meta: object  # engine._C.BatchMetadata
+    meta: BatchMetadata
     params: list[SamplingParams]  # one per sampled row
     generators: list[torch.Generator | None]
     num_prefill_tokens: int
@@ -24,6 +25,7 @@ class StepBatch:
 class Executor(Protocol):
     num_kv_blocks: int
     vocab_size: int
+    device: torch.device  # where per-request sampling generators live
 
     def execute(self, batch: StepBatch) -> tuple[list[int], list[float] | None]: ...
 
@@ -39,6 +41,7 @@ class EmulatedExecutor:
                  sleep: Callable[[float], None] = time.sleep):
         self.step_time, self.num_kv_blocks, self.vocab_size = step_time, num_kv_blocks, vocab_size
         self.eos = set(eos_token_ids)
+        self.device = torch.device("cpu")
         self.sleep = sleep  # a virtual clock's advance in tests
 
     def execute(self, batch: StepBatch) -> tuple[list[int], list[float] | None]:
