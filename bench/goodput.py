@@ -1,12 +1,12 @@
-"""Goodput of PolyServe and the baselines in the simulator (issue 6), against the fluid optimal bound.
+"""Goodput of PolyServe and the baselines in the simulator, against the fluid optimal bound.
 
     python -m bench.goodput [--quick] [--fleet 64] [--fleet-sizes 8,16,32,64,128,256] [--seeds 2] [--processes 2]
                             [--latency-profile FILE] [--trace azure2023_conv] [--out bench/results]
     python -m bench.goodput --scan-only [--policies polyserve] [--scan-rel-tol 0.02]   (the fleet-size scan alone)
 
 Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
-JSON. KV pool: what the weights leave of 90 % of 141 GB (cluster/emulation.py). Lengths: the Azure conversation
-trace; Poisson arrivals; the four default tiers (cluster/workload.py), equal shares unless --mix.
+JSON. KV pool: what the weights leave of 90 % of 141 GB (scheduler/roofline.py). Lengths: the Azure conversation
+trace; Poisson arrivals; the four default tiers (cluster/sim/workload.py), equal shares unless --mix.
 
 Policies (router, engine batch policy):
   polyserve          polyserve router (tiers, load gradient, lazy promotion    PolyServePolicy
@@ -33,6 +33,7 @@ Figures are virtual-time results of the simulator; wall times are this machine's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -46,13 +47,15 @@ from pathlib import Path
 import numpy as np
 
 from cluster.autoscaler import ScalingLimits
-from cluster.emulation import emulated_latency_model
-from cluster.goodput import (ATTAINMENT_TARGET, FluidBound, TierCapacity, autoscaled_goodput, fluid_bound,
-                             search_goodput)
-from cluster.simulator import SimConfig, SimResult, Simulator
-from cluster.workload import DEFAULT_MIX, TierMix, WorkloadFactory, default_tiers, load_trace
+from cluster.sim.goodput import (ATTAINMENT_TARGET, FluidBound, TierCapacity, autoscaled_goodput, fluid_bound,
+                                 search_goodput)
+from cluster.sim.simulator import SimConfig, SimResult, Simulator
+from cluster.sim.workload import DEFAULT_MIX, TierMix, WorkloadFactory, default_tiers, load_trace
 from scheduler.chunking import largest_chunk
+from scheduler.latency_model import LatencyModel, scaled
 from scheduler.profile_table import ProfileTable
+from scheduler.roofline import emulated_latency_model
+from scheduler.tiers import TierSet
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BASELINES = ("random", "round-robin", "least-loaded", "co-chunk", "mixed-deadline")
@@ -63,36 +66,42 @@ POLICIES = ("polyserve",) + BASELINES + ABLATIONS
 
 @dataclass(slots=True, frozen=True)
 class Setup:
-    """What every worker process rebuilds the same way."""
+    """What every worker process rebuilds the same way (`build_setup`)."""
     trace: str
     latency_profile: str | None
     mix: tuple[float, ...]
     warmup_s: float
     window_s: float
 
-    def build(self):
-        model = ProfileTable.load(self.latency_profile) if self.latency_profile else emulated_latency_model()
-        tiers = default_tiers(model)
-        base = SimConfig()
-        factory = WorkloadFactory(load_trace(self.trace), tiers, model, base.kv_blocks * base.block_size,
-                                  base.max_prefill_chunk, TierMix(self.mix))
-        return model, tiers, factory
-
     def bound(self) -> FluidBound:
         """The fluid bound of this setup's tier mix and lengths (a long Poisson sample of them)."""
-        model, _, factory = _built(self)
+        built = build_setup(self)
         base = SimConfig()
-        return fluid_bound(model, factory.poisson(200.0, 200.0, seed=0), base.kv_blocks * base.block_size,
-                           base.max_num_seqs)
+        return fluid_bound(built.model, built.workloads.poisson(200.0, 200.0, seed=0),
+                           base.kv_blocks * base.block_size, base.max_num_seqs)
 
 
-_CACHE: dict = {}
+@dataclass(slots=True, frozen=True)
+class BuiltSetup:
+    """A Setup made concrete: its latency model, the default tiers derived from it, and its workload factory."""
+    model: LatencyModel
+    tiers: TierSet
+    workloads: WorkloadFactory
 
 
-def _built(setup: Setup):
-    if setup not in _CACHE:
-        _CACHE[setup] = setup.build()
-    return _CACHE[setup]
+@functools.cache
+def build_setup(setup: Setup) -> BuiltSetup:
+    """`setup` built once per process: a forked worker keeps what its parent built and builds the rest itself."""
+    model = ProfileTable.load(setup.latency_profile) if setup.latency_profile else emulated_latency_model()
+    tiers, workloads = _workloads(setup, model, SimConfig())
+    return BuiltSetup(model, tiers, workloads)
+
+
+def _workloads(setup: Setup, model: LatencyModel, config: SimConfig) -> tuple[TierSet, WorkloadFactory]:
+    """The default tiers of `model`, and workloads of `setup`'s trace and mix for a deployment as `config`."""
+    tiers = default_tiers(model)
+    return tiers, WorkloadFactory(load_trace(setup.trace), tiers, model, config.kv_blocks * config.block_size,
+                                  config.max_prefill_chunk, TierMix(setup.mix))
 
 
 def co_chunk_budget(model, tiers, bound: FluidBound) -> int:
@@ -123,22 +132,23 @@ def make_simulator(policy: str, num_instances: int, model, tiers, co_budget: int
     return Simulator(SimConfig(num_instances=num_instances, **config), tiers, model, router_kwargs=ablation)
 
 
-# ---- one simulation (runs in a worker) ------------------------------------------------------------------------
+# ---- jobs: each runs in a worker process ----------------------------------------------------------------------
 def _attainment(setup: Setup, policy: str, num_instances: int, co_budget: int, num_seeds: int, rate: float,
                 seed: int) -> float:
     """Attainment in the measured window; NaN for a run given up because its attainment fell so low that the
     mean over `num_seeds` seeds cannot reach the target whatever the others do."""
-    model, tiers, factory = _built(setup)
+    built = build_setup(setup)
     duration = setup.warmup_s + setup.window_s
     window = (setup.warmup_s, duration)
-    sim = make_simulator(policy, num_instances, model, tiers, co_budget, seed=seed)
+    sim = make_simulator(policy, num_instances, built.model, built.tiers, co_budget, seed=seed)
     give_up = max(0.0, 1.0 - num_seeds * (1.0 - ATTAINMENT_TARGET))
-    res = sim.run(factory.poisson(rate, duration, seed), window=window, give_up_below=give_up or None)
+    res = sim.run(built.workloads.poisson(rate, duration, seed), window=window, give_up_below=give_up or None)
     return math.nan if res.aborted else res.attainment(window)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class SearchJob:
+    """One goodput search of `policy` at `num_instances`, from the bracket [low, high] of rates."""
     setup: Setup
     policy: str
     num_instances: int
@@ -148,88 +158,111 @@ class SearchJob:
     high: float
     rel_tol: float
 
-
-def run_search(job: SearchJob, map_fn=map, width: int = 1) -> dict:
-    """One goodput search; its runs through `map_fn`, `width` rates per round (cluster.goodput.search_goodput)."""
-    t0 = time.perf_counter()
-    attainment_at = functools.partial(_attainment, job.setup, job.policy, job.num_instances, job.co_budget,
-                                      len(job.seeds))
-    found = search_goodput(attainment_at, job.seeds, job.low, job.high, rel_tol=job.rel_tol, width=width,
-                           map_fn=map_fn)
-    return {"policy": job.policy, "num_instances": job.num_instances, "goodput": found.goodput,
-            "probes": [(p.rate, p.attainment, list(p.per_seed)) for p in found.probes],
-            "wall_s": time.perf_counter() - t0}
-
-
-def run_detail(args: tuple) -> dict:
-    """One run kept whole: per-tier latency arrays of the measured window and the fleet samples."""
-    setup, policy, num_instances, co_budget, rate, seed, autoscale, phase_change_at, duration = args
-    model, tiers, factory = _built(setup)
-    config = {} if autoscale is None else dict(autoscale=autoscale, cold_start_s=30.0)
-    sim = make_simulator(policy, num_instances, model, tiers, co_budget, seed=seed, **config)
-    w = factory.poisson(rate, duration, seed, phase_change_at=phase_change_at)
-    res: SimResult = sim.run(w)
-    window = (setup.warmup_s, duration)
-    mask = (res.arrival >= window[0]) & (res.arrival < window[1])
-    per_tier = {}
-    for k, name in enumerate(res.tier_names):
-        m = mask & (res.tier == k)
-        per_tier[name] = {"ttft": res.ttft[m & res.served].tolist(), "mean_tpot": res.mean_tpot[m & res.served].tolist(),
-                          "max_gap": res.max_gap[m & res.served].tolist(),
-                          "attained": float(res.attained[m].mean()) if m.any() else math.nan,
-                          "attained_mean_tpot": float(res.attained_mean_tpot[m].mean()) if m.any() else math.nan,
-                          "attained_max_gap": float(res.attained_max_gap[m].mean()) if m.any() else math.nan,
-                          "tpot_ms": tiers[k].tpot_ms, "ttft_ms": tiers[k].ttft_ms}
-    return {"policy": policy, "rate": rate, "num_instances": num_instances, "attainment": res.attainment(window),
-            "attained_total": int(res.attained.sum()), "instance_seconds": res.instance_seconds,
-            "end_time": res.end_time, "samples": res.samples, "per_tier": per_tier, "counts": res.counts,
-            "wall_s": res.wall_s, "promoted": float(res.promoted[mask].mean())}
+    def run(self, map_fn=map, width: int = 1) -> dict:
+        """Its simulations through `map_fn`, `width` rates per round (cluster.sim.goodput.search_goodput)."""
+        t0 = time.perf_counter()
+        attainment_at = functools.partial(_attainment, self.setup, self.policy, self.num_instances, self.co_budget,
+                                          len(self.seeds))
+        found = search_goodput(attainment_at, self.seeds, self.low, self.high, rel_tol=self.rel_tol, width=width,
+                               map_fn=map_fn)
+        return {"policy": self.policy, "num_instances": self.num_instances, "goodput": found.goodput,
+                "probes": [(p.rate, p.attainment, list(p.per_seed)) for p in found.probes],
+                "wall_s": time.perf_counter() - t0}
 
 
-def run_speed(args: tuple) -> dict:
-    """One hour of the trace as recorded (no rescaling) at 64 instances, PolyServe, one core."""
-    setup, num_instances, duration = args
-    model, tiers, factory = _built(setup)
-    w = factory.replay(seed=0, duration=duration)
-    res = Simulator(SimConfig(num_instances=num_instances), tiers, model).run(w)
-    return {"requests": len(w), "trace_s": w.duration, "wall_s": res.wall_s, "steps": res.num_steps,
-            "policy_calls": res.num_policy_calls, "attainment": res.attainment()}
+@dataclass(slots=True, frozen=True)
+class DetailJob:
+    """One run kept whole: per-tier latency arrays of the measured window and the fleet samples. With `autoscale`,
+    `num_instances` is the starting fleet."""
+    setup: Setup
+    policy: str
+    num_instances: int
+    co_budget: int
+    rate: float
+    duration: float
+    seed: int = 1
+    autoscale: ScalingLimits | None = None
+    phase_change_at: float | None = None
+
+    def run(self) -> dict:
+        built = build_setup(self.setup)
+        config = {} if self.autoscale is None else dict(autoscale=self.autoscale, cold_start_s=30.0)
+        sim = make_simulator(self.policy, self.num_instances, built.model, built.tiers, self.co_budget,
+                             seed=self.seed, **config)
+        res = sim.run(built.workloads.poisson(self.rate, self.duration, self.seed,
+                                              phase_change_at=self.phase_change_at))
+        window = (self.setup.warmup_s, self.duration)
+        mask = (res.arrival >= window[0]) & (res.arrival < window[1])
+        per_tier = {}
+        for k, name in enumerate(res.tier_names):
+            m = mask & (res.tier == k)
+            served = m & res.served
+            per_tier[name] = {"ttft": res.ttft[served].tolist(), "mean_tpot": res.mean_tpot[served].tolist(),
+                              "max_gap": res.max_gap[served].tolist(),
+                              "attained": float(res.attained[m].mean()) if m.any() else math.nan,
+                              "attained_mean_tpot": float(res.attained_mean_tpot[m].mean()) if m.any() else math.nan,
+                              "attained_max_gap": float(res.attained_max_gap[m].mean()) if m.any() else math.nan,
+                              "tpot_ms": built.tiers[k].tpot_ms, "ttft_ms": built.tiers[k].ttft_ms}
+        return {"policy": self.policy, "rate": self.rate, "num_instances": self.num_instances,
+                "attainment": res.attainment(window), "attained_total": int(res.attained.sum()),
+                "instance_seconds": res.instance_seconds, "end_time": res.end_time, "samples": res.samples,
+                "per_tier": per_tier, "counts": res.counts, "wall_s": res.wall_s,
+                "promoted": float(res.promoted[mask].mean())}
 
 
-def run_calibration(args: tuple) -> dict:
-    """The same workload on one emulated engine in real time and in the simulator (time-scaled latency model):
-    the simulator as is, and with the engine's measured host time per step added to every step."""
-    from cluster.calibration import attained, replay_on_engine, simulated_with_host_time, write_emulated_model_folder
-    from cluster.emulation import ScaledLatencyModel
-    from scheduler.polyserve import PolyServePolicy
+@dataclass(slots=True, frozen=True)
+class SpeedJob:
+    """The trace as recorded (no rescaling), its first `duration` seconds (None: all of it), at `num_instances`,
+    PolyServe, on one core."""
+    setup: Setup
+    num_instances: int
+    duration: float | None
 
-    setup, time_scale, rate, duration, seed = args
-    base, _, _ = _built(setup)
-    model = ScaledLatencyModel(base, time_scale)
-    tiers = default_tiers(model)
-    cfg = SimConfig(num_instances=1, router_policy="round-robin", reveal_output_len=True)
-    factory = WorkloadFactory(load_trace(setup.trace), tiers, model, cfg.kv_blocks * cfg.block_size,
-                              cfg.max_prefill_chunk, TierMix(setup.mix))
-    w = factory.poisson(rate, duration, seed)
-    with tempfile.TemporaryDirectory() as folder:
-        policy = PolyServePolicy(model, tiers[len(tiers) - 1].slo, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                 cfg.max_prefill_chunk)
-        live = replay_on_engine(w, model, policy, write_emulated_model_folder(folder), cfg.kv_blocks, clock="real")
-    raw = Simulator(cfg, tiers, model).run(w)
-    sim = simulated_with_host_time(cfg, tiers, model, w, live)
-    live_attained = attained(w, live.token_times)
-    out = {"time_scale": time_scale, "rate": rate, "requests": len(w), "step_overhead_s": live.step_overhead_s,
-           "step_overhead_per_seq_s": live.step_overhead_per_seq_s,
-           "live_attainment": float(live_attained.mean()), "sim_attainment": sim.attainment(),
-           "raw_sim_attainment": raw.attainment(), "live_wall_s": live.wall_s, "live_stall_s": live.stall_s,
-           "tiers": {}}
-    for k, tier in enumerate(tiers):
-        idx = np.flatnonzero(w.tier_index == k)
-        out["tiers"][tier.name] = {
-            **_live_latencies(w, live.token_times, idx), **_sim_latencies(sim, idx, "sim"),
-            **_sim_latencies(raw, idx, "raw"),
-            "live_attained": float(live_attained[idx].mean()), "sim_attained": float(sim.attained[idx].mean())}
-    return out
+    def run(self) -> dict:
+        built = build_setup(self.setup)
+        w = built.workloads.replay(seed=0, duration=self.duration)
+        res = Simulator(SimConfig(num_instances=self.num_instances), built.tiers, built.model).run(w)
+        return {"requests": len(w), "trace_s": w.duration, "wall_s": res.wall_s, "steps": res.num_steps,
+                "policy_calls": res.num_policy_calls, "attainment": res.attainment()}
+
+
+@dataclass(slots=True, frozen=True)
+class CalibrationJob:
+    """The same workload on one emulated engine in real time and in the simulator (the latency model times
+    `time_scale`, `rate` requests per second of scaled time): the simulator as is, and with the engine's measured
+    host time per step added to every step."""
+    setup: Setup
+    time_scale: float
+    rate: float
+    duration: float
+    seed: int
+
+    def run(self) -> dict:
+        from cluster.sim.calibration import (attained, replay_on_engine, simulated_with_host_time,
+                                             write_emulated_model_folder)
+
+        model = scaled(build_setup(self.setup).model, self.time_scale)
+        cfg = SimConfig(num_instances=1, router_policy="round-robin", reveal_output_len=True)
+        tiers, workloads = _workloads(self.setup, model, cfg)
+        w = workloads.poisson(self.rate, self.duration, self.seed)
+        with tempfile.TemporaryDirectory() as folder:
+            live = replay_on_engine(w, model, cfg.batch_policy(model), write_emulated_model_folder(folder),
+                                    cfg.kv_blocks, clock="real")
+        raw = Simulator(cfg, tiers, model).run(w)
+        sim = simulated_with_host_time(cfg, tiers, model, w, live)
+        live_attained = attained(w, live.token_times)
+        out = {"time_scale": self.time_scale, "rate": self.rate, "requests": len(w),
+               "step_overhead_s": live.step_overhead_s, "step_overhead_per_seq_s": live.step_overhead_per_seq_s,
+               "live_attainment": float(live_attained.mean()), "sim_attainment": sim.attainment(),
+               "raw_sim_attainment": raw.attainment(), "live_wall_s": live.wall_s, "live_stall_s": live.stall_s,
+               "tiers": {}}
+        for k, tier in enumerate(tiers):
+            idx = np.flatnonzero(w.tier_index == k)
+            out["tiers"][tier.name] = {
+                **_live_latencies(w, live.token_times, idx), **_sim_latencies(sim, idx, "sim"),
+                **_sim_latencies(raw, idx, "raw"),
+                "live_attained": float(live_attained[idx].mean()), "sim_attained": float(sim.attained[idx].mean())}
+        return out
 
 
 def _live_latencies(w, token_times: list[list[float] | None], idx: np.ndarray) -> dict:
@@ -247,19 +280,18 @@ def _sim_latencies(res: SimResult, idx: np.ndarray, prefix: str) -> dict:
 def run_fleet_calibration(setup: Setup, time_scale: float, num_instances: int, load: float, duration: float,
                           seed: int = 7) -> dict:
     """The same workload through a live fleet (`num_instances` emulated engine processes behind the router
-    service, cluster.calibration.replay_on_fleet) and in the simulator with as many instances, the engines' host
-    time per step added. Run alone: the engines sleep in real time and share this machine's cores."""
+    service, cluster.sim.calibration.replay_on_fleet) and in the simulator with as many instances, the engines'
+    host time per step added. Run alone: the engines sleep in real time and share this machine's cores."""
     import asyncio
 
-    from cluster.calibration import attained, replay_on_fleet, simulated_with_host_time, write_emulated_model_folder
+    from cluster.sim.calibration import (attained, replay_on_fleet, simulated_with_host_time,
+                                         write_emulated_model_folder)
 
     model = emulated_latency_model(time_scale)
-    tiers = default_tiers(model)
     cfg = SimConfig(num_instances=num_instances, reveal_output_len=True)
-    factory = WorkloadFactory(load_trace(setup.trace), tiers, model, cfg.kv_blocks * cfg.block_size,
-                              cfg.max_prefill_chunk, TierMix(setup.mix))
+    tiers, workloads = _workloads(setup, model, cfg)
     rate = load * setup.bound().rate(num_instances) / time_scale
-    w = factory.poisson(rate, duration, seed)
+    w = workloads.poisson(rate, duration, seed)
     with tempfile.TemporaryDirectory() as folder:
         live = asyncio.run(replay_on_fleet(
             w, time_scale, num_instances, write_emulated_model_folder(folder), cfg.kv_blocks,
@@ -287,9 +319,9 @@ class Plan:
     window_s: float
     rel_tol: float
     # The fleet-size scan compares fleets with each other, so its window must reach the steady state of the
-    # smallest: a 12 s window hides a few % of overload (the queue needs longer than that to push the loosest tier's
-    # 8 s TTFT over), and at 8 instances the arrivals of a few seconds swing attainment by several points. Each
-    # probe pools max(1, scan_instance_runs / n) seeds, so every fleet size is measured with as many instance-runs.
+    # smallest: a short window hides some overload (the queue needs longer than that to push the loosest tier's
+    # TTFT over), and on a small fleet the arrivals of a few seconds swing attainment. Each probe pools
+    # max(1, scan_instance_runs / n) seeds, so every fleet size is measured with as many instance-runs.
     scan_warmup_s: float
     scan_window_s: float
     scan_instance_runs: int
@@ -306,12 +338,12 @@ class Plan:
 def make_plan(args) -> Plan:
     if args.quick:
         plan = Plan(fleet=8, fleet_sizes=(4, 8, 16), seeds=(1,), warmup_s=6.0, window_s=10.0, rel_tol=0.08,
-                    scan_warmup_s=6.0, scan_window_s=20.0, scan_instance_runs=8, scan_rel_tol=0.1, autoscale_max=8, autoscale_duration=90.0, speed_duration=600.0,
-                    calibration=(0.5, 28.0, 8.0))
+                    scan_warmup_s=6.0, scan_window_s=20.0, scan_instance_runs=8, scan_rel_tol=0.1, autoscale_max=8,
+                    autoscale_duration=90.0, speed_duration=600.0, calibration=(0.5, 28.0, 8.0))
     else:
         plan = Plan(fleet=64, fleet_sizes=(8, 16, 32, 64, 128, 256), seeds=(1, 2), warmup_s=8.0, window_s=12.0,
-                    rel_tol=0.05, scan_warmup_s=12.0, scan_window_s=48.0, scan_instance_runs=64, scan_rel_tol=0.03, autoscale_max=16, autoscale_duration=240.0,
-                    speed_duration=None, calibration=(1.0, 16.0, 20.0))
+                    rel_tol=0.05, scan_warmup_s=12.0, scan_window_s=48.0, scan_instance_runs=64, scan_rel_tol=0.03,
+                    autoscale_max=16, autoscale_duration=240.0, speed_duration=None, calibration=(1.0, 16.0, 20.0))
     if args.fleet:
         plan.fleet = args.fleet
     if args.fleet_sizes:
@@ -332,6 +364,65 @@ def scan_seeds(plan: Plan, num_instances: int) -> tuple[int, ...]:
     return tuple(range(1, 1 + max(1, math.ceil(plan.scan_instance_runs / num_instances))))
 
 
+def _map(pool, jobs, label: str) -> list:
+    """Every job's `run()`, through the pool when there is one; results in job order, with a progress bar."""
+    from tqdm import tqdm
+
+    out = [None] * len(jobs)
+    indexed = list(enumerate(jobs))
+    it = pool.imap_unordered(_run_indexed, indexed) if pool else map(_run_indexed, indexed)
+    for i, result in tqdm(it, total=len(jobs), desc=label, file=sys.stderr, leave=False):
+        out[i] = result
+    return out
+
+
+def _run_indexed(indexed_job):
+    i, job = indexed_job
+    return i, job.run()
+
+
+# ---- the experiments ------------------------------------------------------------------------------------------
+def describe_setup(args, plan: Plan, setup: Setup, bound: FluidBound, co_budget: int) -> dict:
+    """Prints the setup and the fluid bound per tier; returns the report's opening entries."""
+    built = build_setup(setup)
+    base = SimConfig()
+    kv_tokens = base.kv_blocks * base.block_size
+    print(f"latency model: {args.latency_profile or 'roofline Llama-3.1-8B bf16 on H200'}; KV pool "
+          f"{kv_tokens:,} tokens per instance; trace {args.trace}; tier mix {setup.mix}")
+    print("\nFluid bound per tier (one instance, that tier alone):")
+    print(f"  {'tier':8} {'TPOT ms':>8} {'TTFT ms':>8} {'P':>6} {'D':>5} {'B_k':>5} {'T(B_k) ms':>9} {'req/s':>7}")
+    for t, c in zip(built.tiers, bound.tiers):
+        print(f"  {t.name:8} {t.tpot_ms:8.2f} {t.ttft_ms:8.1f} {c.mean_prompt:6.0f} {c.mean_output:5.0f} "
+              f"{c.batch:5d} {c.iteration_s * 1000:9.2f} {c.requests_per_s:7.2f}")
+    print(f"  mix {tuple(round(s, 3) for s in bound.shares)}: lambda* = {bound.rate(1):.2f} req/s per instance; "
+          f"co-chunk static budget {co_budget} tokens")
+    return {"plan": asdict(plan), "setup": asdict(setup), "kv_capacity_tokens": kv_tokens, "co_chunk_budget": co_budget,
+            "tiers": [{"name": t.name, "tpot_ms": t.tpot_ms, "ttft_ms": t.ttft_ms} for t in built.tiers],
+            "bound": [asdict(c) for c in bound.tiers], "bound_shares": bound.shares}
+
+
+def compare_policies(pool, plan: Plan, setup: Setup, co_budget: int, bound: FluidBound) -> list[dict]:
+    """Goodput of every policy at the main fleet, printed against the bound and the best baseline."""
+    lam = bound.rate(plan.fleet)
+    # the ablations on the first seed only: they are the costliest runs (the router's test on every placement)
+    jobs = [SearchJob(setup, p, plan.fleet, co_budget, plan.seeds[:1] if p in ABLATIONS else plan.seeds,
+                      0.75 * lam, lam, plan.rel_tol) for p in plan.policies]
+    searches = _map(pool, jobs, f"goodput at {plan.fleet} instances")
+    best = best_baseline(searches)
+    print(f"\nGoodput at {plan.fleet} instances (>= 90 % attaining; seeds {plan.seeds}, ablations seed 1; "
+          f"lambda* = {lam:.1f} req/s):")
+    print(f"  {'policy':26} {'req/s':>8} {'per inst':>8} {'of bound':>8} {'vs best baseline':>16} {'wall s':>7}")
+    for s in searches:
+        ratio = s["goodput"] / best["goodput"] if best and best["goodput"] else math.nan
+        print(f"  {s['policy']:26} {s['goodput']:8.1f} {s['goodput'] / plan.fleet:8.2f} "
+              f"{s['goodput'] / lam:8.1%} {ratio:15.2f}x {s['wall_s']:7.0f}")
+    return searches
+
+
+def best_baseline(searches: list[dict]) -> dict | None:
+    return max((s for s in searches if s["policy"] in BASELINES), key=lambda s: s["goodput"], default=None)
+
+
 def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], brackets: dict[str, tuple[float, float]],
              co_budget: int, bound: FluidBound, processes: int = 1) -> list[dict]:
     """Goodput of each policy at each fleet size (searched from `brackets`: per-instance rates), printed as a
@@ -340,11 +431,11 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], brackets: dict
                       plan.scan_rel_tol) for p in policies for n in plan.fleet_sizes]
     if len(jobs) == 1 and pool is not None:  # one search: the pool runs its probes, several rates per round
         job = jobs[0]
-        scan = [run_search(job, pool.map, max(1, processes // len(job.seeds)))]
+        scan = [job.run(pool.map, max(1, processes // len(job.seeds)))]
     else:
         # largest fleets first: they take longest, so the pool stays busy to the end
         order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
-        scan = _map(pool, run_search, [jobs[i] for i in order], "fleet-size scan")
+        scan = _map(pool, [jobs[i] for i in order], "fleet-size scan")
         scan = [scan[order.index(i)] for i in range(len(jobs))]
     print(f"\nGoodput per instance by fleet size (req/s per instance; window {setup.window_s:.0f} s after "
           f"{setup.warmup_s:.0f} s; seeds per probe: {plan.scan_instance_runs} instance-runs / instances; "
@@ -357,142 +448,18 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], brackets: dict
     return scan
 
 
-def _map(pool, fn, jobs, label: str):
-    """Results in job order, with a progress bar."""
-    from tqdm import tqdm
-
-    out = [None] * len(jobs)
-    it = pool.imap_unordered(_indexed, [(fn, i, j) for i, j in enumerate(jobs)]) if pool else \
-        (_indexed((fn, i, j)) for i, j in enumerate(jobs))
-    for i, result in tqdm(it, total=len(jobs), desc=label, file=sys.stderr, leave=False):
-        out[i] = result
-    return out
+def autoscale_job(plan: Plan, skewed: Setup, skewed_bound: FluidBound, co_budget: int) -> DetailJob:
+    """PolyServe autoscaled through a phase change: the skewed mix, inverted half way, at 0.6 x the bound of the
+    largest fleet allowed, starting from the fleet that carries it at 0.8 x the bound per instance."""
+    rate = 0.6 * skewed_bound.rate(plan.autoscale_max)
+    start_fleet = max(2, math.ceil(rate / (0.8 * skewed_bound.rate(1))))
+    limits = ScalingLimits(min_instances=2, max_instances=plan.autoscale_max, idle_pool=2, stop_after_idle_s=10.0)
+    return DetailJob(skewed, "polyserve", start_fleet, co_budget, rate, plan.autoscale_duration, autoscale=limits,
+                     phase_change_at=plan.autoscale_duration / 2)
 
 
-def _indexed(args):
-    fn, i, job = args
-    return i, fn(job)
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small fleets, short runs, one seed (a few minutes)")
-    ap.add_argument("--fleet", type=int, default=None, help="fixed fleet of the policy comparison (full: 64)")
-    ap.add_argument("--fleet-sizes", default=None, help="comma-separated fleet sizes of the scaling scan")
-    ap.add_argument("--seeds", type=int, default=None)
-    ap.add_argument("--scan-rel-tol", type=float, default=None, help="relative tolerance of the fleet-size scan's search")
-    ap.add_argument("--scan-only", action="store_true",
-                    help="only the fleet-size scan, of --policies (default: polyserve), from the fluid bound")
-    ap.add_argument("--scan-bracket", default=None, metavar="LOW,HIGH",
-                    help="with --scan-only: per-instance rates the search starts from (default 0.85 and 1.15 x "
-                         "the fluid bound)")
-    ap.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(POLICIES)}")
-    ap.add_argument("--processes", type=int, default=2)
-    ap.add_argument("--latency-profile", default=None, help="profile JSON (default: the H200 roofline model)")
-    ap.add_argument("--trace", default="azure2023_conv")
-    ap.add_argument("--mix", default="1,1,1,1", help="tier shares, tightest first (default: equal)")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the plots of a goodput.json")
-    args = ap.parse_args(argv)
-    if args.replot:
-        write_plots(json.loads(Path(args.replot).read_text()), Path(args.out))
-        return
-    plan = make_plan(args)
-    mix = tuple(float(x) for x in args.mix.split(","))
-    setup = Setup(args.trace, args.latency_profile, mix, plan.warmup_s, plan.window_s)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    model, tiers, factory = _built(setup)
-    base = SimConfig()
-    kv_tokens = base.kv_blocks * base.block_size
-    bound = setup.bound()
-    co_budget = co_chunk_budget(model, tiers, bound)
-    report: dict = {"plan": asdict(plan), "setup": asdict(setup), "kv_capacity_tokens": kv_tokens,
-                    "co_chunk_budget": co_budget,
-                    "tiers": [{"name": t.name, "tpot_ms": t.tpot_ms, "ttft_ms": t.ttft_ms} for t in tiers],
-                    "bound": [asdict(c) for c in bound.tiers], "bound_shares": bound.shares}
-    print(f"latency model: {args.latency_profile or 'roofline Llama-3.1-8B bf16 on H200'}; KV pool "
-          f"{kv_tokens:,} tokens per instance; trace {args.trace}; tier mix {mix}")
-    print("\nFluid bound per tier (one instance, that tier alone):")
-    print(f"  {'tier':8} {'TPOT ms':>8} {'TTFT ms':>8} {'P':>6} {'D':>5} {'B_k':>5} {'T(B_k) ms':>9} {'req/s':>7}")
-    for t, c in zip(tiers, bound.tiers):
-        print(f"  {t.name:8} {t.tpot_ms:8.2f} {t.ttft_ms:8.1f} {c.mean_prompt:6.0f} {c.mean_output:5.0f} "
-              f"{c.batch:5d} {c.iteration_s * 1000:9.2f} {c.requests_per_s:7.2f}")
-    print(f"  mix {tuple(round(s, 3) for s in bound.shares)}: lambda* = {bound.rate(1):.2f} req/s per instance; "
-          f"co-chunk static budget {co_budget} tokens")
-
-    scan_setup = Setup(args.trace, args.latency_profile, mix, plan.scan_warmup_s, plan.scan_window_s)
-    pool = multiprocessing.get_context("fork").Pool(args.processes) if args.processes > 1 else None
-    if args.scan_only:
-        policies = list(plan.policies) if args.policies else ["polyserve"]
-        lam1 = bound.rate(1)
-        bracket = tuple(float(x) for x in args.scan_bracket.split(",")) if args.scan_bracket \
-            else (0.85 * lam1, 1.15 * lam1)
-        if len(bracket) != 2 or not 0 < bracket[0] < bracket[1]:
-            raise SystemExit(f"--scan-bracket wants LOW,HIGH with 0 < LOW < HIGH, got {args.scan_bracket!r}")
-        try:
-            report["scan"] = run_scan(pool, plan, scan_setup, policies, {p: bracket for p in policies},
-                                      co_budget, bound, args.processes)
-        finally:
-            if pool is not None:
-                pool.close()
-                pool.join()
-        report["wall_s"] = time.perf_counter() - t_start
-        (out_dir / "goodput_scan.json").write_text(json.dumps(_rounded(report), default=_json_default))
-        plot_scan(report["scan"], policies, plan.fleet_sizes, bound.rate(1), out_dir / "goodput_vs_fleet_size.png")
-        print(f"\nwrote {out_dir}/goodput_scan.json and goodput_vs_fleet_size.png; total wall time "
-              f"{report['wall_s']:.0f} s")
-        return
-    try:
-        # 1. policy comparison at the main fleet
-        lam = bound.rate(plan.fleet)
-        # the ablations on the first seed only: they are the costliest runs (the router's test on every placement)
-        jobs = [SearchJob(setup, p, plan.fleet, co_budget, plan.seeds[:1] if p in ABLATIONS else plan.seeds,
-                          0.75 * lam, lam, plan.rel_tol) for p in plan.policies]
-        searches = _map(pool, run_search, jobs, f"goodput at {plan.fleet} instances")
-        report["comparison"] = searches
-        best_baseline = max((s for s in searches if s["policy"] in BASELINES), key=lambda s: s["goodput"],
-                            default=None)
-        print(f"\nGoodput at {plan.fleet} instances (>= 90 % attaining; seeds {plan.seeds}, ablations seed 1; "
-              f"lambda* = {lam:.1f} req/s):")
-        print(f"  {'policy':26} {'req/s':>8} {'per inst':>8} {'of bound':>8} {'vs best baseline':>16} {'wall s':>7}")
-        for s in searches:
-            ratio = s["goodput"] / best_baseline["goodput"] if best_baseline and best_baseline["goodput"] else math.nan
-            print(f"  {s['policy']:26} {s['goodput']:8.1f} {s['goodput'] / plan.fleet:8.2f} "
-                  f"{s['goodput'] / lam:8.1%} {ratio:15.2f}x {s['wall_s']:7.0f}")
-
-        # 2. per-instance goodput over fleet sizes, PolyServe and the best baseline
-        scan_policies = [p for p in ("polyserve", best_baseline["policy"] if best_baseline else None) if p]
-        # the comparison's short window flatters every policy a little: start the search from its figures
-        guesses = {s["policy"]: (s["goodput"] / plan.fleet) or 0.5 * bound.rate(1) for s in searches}
-        report["scan"] = run_scan(pool, plan, scan_setup, scan_policies,
-                                  {p: (0.85 * g, 1.15 * g) for p, g in guesses.items()}, co_budget, bound,
-                                  args.processes)
-
-        # 3. detail runs: per-tier latency at a common load; the autoscaled fleet through a phase change;
-        #    the speed measurement; the calibration
-        common_rate = 0.8 * min(s["goodput"] for s in searches if s["policy"] in scan_policies) \
-            if all(s["goodput"] > 0 for s in searches if s["policy"] in scan_policies) else 0.5 * lam
-        duration = plan.warmup_s + plan.window_s
-        skewed = Setup(args.trace, args.latency_profile, DEFAULT_MIX, plan.warmup_s, plan.window_s)
-        skewed_bound = skewed.bound()
-        auto_rate = 0.6 * skewed_bound.rate(plan.autoscale_max)
-        start_fleet = max(2, math.ceil(auto_rate / (0.8 * skewed_bound.rate(1))))
-        limits = ScalingLimits(min_instances=2, max_instances=plan.autoscale_max, idle_pool=2, stop_after_idle_s=10.0)
-        detail_jobs = [(setup, p, plan.fleet, co_budget, common_rate, 1, None, None, duration) for p in scan_policies]
-        detail_jobs.append((skewed, "polyserve", start_fleet, co_budget, auto_rate, 1, limits,
-                            plan.autoscale_duration / 2, plan.autoscale_duration))
-        tasks = [(run_detail, j) for j in detail_jobs] + [(run_speed, (setup, 64, plan.speed_duration)),
-                                                           (run_calibration, (setup, *plan.calibration, 1))]
-        results = _map(pool, _call, tasks, "detail runs")
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-    details, auto, speed, calib = results[:len(scan_policies)], results[-3], results[-2], results[-1]
-    report["latency"] = [{k: v for k, v in d.items() if k != "samples"} for d in details]
-    print(f"\nPer-tier latency at {common_rate:.0f} req/s on {plan.fleet} instances (measured window; "
+def print_latency(details: list[dict], rate: float, fleet: int) -> None:
+    print(f"\nPer-tier latency at {rate:.0f} req/s on {fleet} instances (measured window; "
           f"attainment: cumulative / mean-TPOT / max-gap views):")
     print(f"  {'policy':16} {'tier':8} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} {'attained':>22}")
     for d in details:
@@ -504,20 +471,24 @@ def main(argv=None) -> None:
                   f"{_pct(tpot, 50):8.1f} / {_pct(tpot, 99):7.1f} "
                   f"{t['attained']:6.1%} / {t['attained_mean_tpot']:6.1%} / {t['attained_max_gap']:6.1%}")
 
-    report["autoscaled"] = {k: v for k, v in auto.items() if k != "per_tier"}
-    per_inst_s = autoscaled_goodput(auto["attained_total"], auto["instance_seconds"])
-    print(f"\nAutoscaled PolyServe, {auto_rate:.0f} req/s for {plan.autoscale_duration:.0f} s, tier mix {DEFAULT_MIX} "
-          f"inverted at {plan.autoscale_duration / 2:.0f} s ({start_fleet} instances at the start, 2..{plan.autoscale_max}, "
-          f"2 warm idle, 30 s cold start): attainment {auto['attainment']:.1%} (after {plan.warmup_s:.0f} s), "
-          f"{per_inst_s:.2f} attaining requests per instance-second held ({auto['instance_seconds']:.0f} "
-          f"instance-s; {auto['promoted']:.1%} promoted); fluid bound {skewed_bound.rate(1):.2f} req/s per instance")
 
-    report["speed"] = speed
-    print(f"\nSpeed: {speed['trace_s']:.0f} s of {args.trace} as recorded ({speed['requests']} requests) at 64 "
-          f"instances, PolyServe: {speed['wall_s']:.1f} s wall on one core ({speed['steps']:,} steps, "
+def print_autoscaled(auto: dict, job: DetailJob, plan: Plan, skewed_bound: FluidBound) -> None:
+    per_inst_s = autoscaled_goodput(auto["attained_total"], auto["instance_seconds"])
+    print(f"\nAutoscaled PolyServe, {job.rate:.0f} req/s for {job.duration:.0f} s, tier mix {DEFAULT_MIX} "
+          f"inverted at {job.phase_change_at:.0f} s ({job.num_instances} instances at the start, "
+          f"2..{plan.autoscale_max}, 2 warm idle, 30 s cold start): attainment {auto['attainment']:.1%} (after "
+          f"{plan.warmup_s:.0f} s), {per_inst_s:.2f} attaining requests per instance-second held "
+          f"({auto['instance_seconds']:.0f} instance-s; {auto['promoted']:.1%} promoted); fluid bound "
+          f"{skewed_bound.rate(1):.2f} req/s per instance")
+
+
+def print_speed(speed: dict, trace: str, num_instances: int) -> None:
+    print(f"\nSpeed: {speed['trace_s']:.0f} s of {trace} as recorded ({speed['requests']} requests) at "
+          f"{num_instances} instances, PolyServe: {speed['wall_s']:.1f} s wall on one core ({speed['steps']:,} steps, "
           f"{speed['policy_calls']:,} batch-policy calls; attainment {speed['attainment']:.1%})")
 
-    report["calibration"] = calib
+
+def print_calibration(calib: dict) -> None:
     print(f"\nCalibration, one instance, PolyServePolicy, latency model x{calib['time_scale']}, "
           f"{calib['rate']:g} req/s, {calib['requests']} requests: attaining live engine (real time) "
           f"{calib['live_attainment']:.1%}, simulator {calib['raw_sim_attainment']:.1%}, simulator with the engine's "
@@ -527,10 +498,11 @@ def main(argv=None) -> None:
     for name, t in calib["tiers"].items():
         print(f"  {name:8} TTFT p50 live {_pct(np.array(t['live_ttft']) * 1000, 50):7.1f} ms sim "
               f"{_pct(np.array(t['sim_ttft']) * 1000, 50):7.1f} ms; TPOT p50 live "
-              f"{_pct(np.array(t['live_tpot']) * 1000, 50):6.2f} ms sim {_pct(np.array(t['sim_tpot']) * 1000, 50):6.2f} ms;"
-              f" attained live {t['live_attained']:.0%} sim {t['sim_attained']:.0%}")
+              f"{_pct(np.array(t['live_tpot']) * 1000, 50):6.2f} ms sim "
+              f"{_pct(np.array(t['sim_tpot']) * 1000, 50):6.2f} ms; attained live {t['live_attained']:.0%} sim {t['sim_attained']:.0%}")
 
-    fleet = report["fleet_calibration"] = run_fleet_calibration(setup, *plan.fleet_calibration)
+
+def print_fleet_calibration(fleet: dict) -> None:
     print(f"\nCalibration through the live router: {fleet['instances']} emulated engine processes behind the router "
           f"service, latency model x{fleet['time_scale']}, {fleet['rate']:.1f} req/s ({fleet['load']:g} x the fluid "
           f"bound), {fleet['requests']} requests ({fleet['failed']} failed): attaining live "
@@ -543,15 +515,128 @@ def main(argv=None) -> None:
         lp, sp = np.array(t["live_tpot"]) * 1000, np.array(t["sim_tpot"]) * 1000
         print(f"  {name:8} {_pct(lt, 50):10.1f} / {_pct(st, 50):7.1f} {_pct(lt, 90):7.1f} / {_pct(st, 90):6.1f} "
               f"{_pct(lp, 50):10.2f} / {_pct(sp, 50):6.2f} {_pct(lp, 90):6.2f} / {_pct(sp, 90):5.2f}")
-    report["wall_s"] = time.perf_counter() - t_start
-    (out_dir / "goodput.json").write_text(json.dumps(_rounded(report), default=_json_default))
+
+
+# ---- the two modes --------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small fleets, short runs, one seed (a few minutes)")
+    ap.add_argument("--fleet", type=int, default=None, help="fixed fleet of the policy comparison (full: 64)")
+    ap.add_argument("--fleet-sizes", default=None, help="comma-separated fleet sizes of the scaling scan")
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--scan-rel-tol", type=float, default=None,
+                    help="relative tolerance of the fleet-size scan's search")
+    ap.add_argument("--scan-only", action="store_true",
+                    help="only the fleet-size scan, of --policies (default: polyserve), from the fluid bound")
+    ap.add_argument("--scan-bracket", default=None, metavar="LOW,HIGH",
+                    help="with --scan-only: per-instance rates the search starts from (default 0.85 and 1.15 x "
+                         "the fluid bound)")
+    ap.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(POLICIES)}")
+    ap.add_argument("--processes", type=int, default=2)
+    ap.add_argument("--latency-profile", default=None, help="profile JSON (default: the H200 roofline model)")
+    ap.add_argument("--trace", default="azure2023_conv")
+    ap.add_argument("--mix", default="1,1,1,1", help="tier shares, tightest first (default: equal)")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the plots of a goodput.json")
+    return ap.parse_args(argv)
+
+
+@contextlib.contextmanager
+def _worker_pool(processes: int):
+    """Forked worker processes (None for one process: the jobs run here), closed and joined on leaving."""
+    pool = multiprocessing.get_context("fork").Pool(processes) if processes > 1 else None
+    try:
+        yield pool
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+
+def scan_only(args, plan: Plan, scan_setup: Setup, policies: list[str], bound: FluidBound,
+              co_budget: int) -> list[dict]:
+    """The fleet-size scan alone, every policy searched from one bracket of per-instance rates."""
+    lam1 = bound.rate(1)
+    bracket = tuple(float(x) for x in args.scan_bracket.split(",")) if args.scan_bracket \
+        else (0.85 * lam1, 1.15 * lam1)
+    if len(bracket) != 2 or not 0 < bracket[0] < bracket[1]:
+        raise SystemExit(f"--scan-bracket wants LOW,HIGH with 0 < LOW < HIGH, got {args.scan_bracket!r}")
+    with _worker_pool(args.processes) as pool:
+        return run_scan(pool, plan, scan_setup, policies, {p: bracket for p in policies}, co_budget, bound,
+                        args.processes)
+
+
+def every_experiment(args, plan: Plan, setup: Setup, scan_setup: Setup, bound: FluidBound, co_budget: int,
+                     report: dict) -> None:
+    """The policy comparison, the fleet-size scan of PolyServe and the best baseline, per-tier latency at a common
+    load, the autoscaled fleet through a phase change, the simulator's speed and both calibrations, each printed
+    and added to `report`."""
+    with _worker_pool(args.processes) as pool:
+        searches = report["comparison"] = compare_policies(pool, plan, setup, co_budget, bound)
+        best = best_baseline(searches)
+        scan_policies = [p for p in ("polyserve", best["policy"] if best else None) if p]
+        # the comparison's short window flatters every policy a little: start the search from its figures
+        guesses = {s["policy"]: (s["goodput"] / plan.fleet) or 0.5 * bound.rate(1) for s in searches}
+        report["scan"] = run_scan(pool, plan, scan_setup, scan_policies,
+                                  {p: (0.85 * g, 1.15 * g) for p, g in guesses.items()}, co_budget, bound,
+                                  args.processes)
+        # the remaining runs together, so the pool stays busy
+        compared = [s["goodput"] for s in searches if s["policy"] in scan_policies]
+        common_rate = 0.8 * min(compared) if all(g > 0 for g in compared) else 0.5 * bound.rate(plan.fleet)
+        latency_jobs = [DetailJob(setup, p, plan.fleet, co_budget, common_rate, plan.warmup_s + plan.window_s)
+                        for p in scan_policies]
+        skewed = Setup(args.trace, args.latency_profile, DEFAULT_MIX, plan.warmup_s, plan.window_s)
+        skewed_bound = skewed.bound()
+        auto_job = autoscale_job(plan, skewed, skewed_bound, co_budget)
+        speed_instances = 64
+        results = _map(pool, [*latency_jobs, auto_job, SpeedJob(setup, speed_instances, plan.speed_duration),
+                              CalibrationJob(setup, *plan.calibration, seed=1)], "detail runs")
+    details, auto, speed, calib = results[:len(latency_jobs)], results[-3], results[-2], results[-1]
+    report["latency"] = [{k: v for k, v in d.items() if k != "samples"} for d in details]
+    print_latency(details, common_rate, plan.fleet)
+    report["autoscaled"] = {k: v for k, v in auto.items() if k != "per_tier"}
+    print_autoscaled(auto, auto_job, plan, skewed_bound)
+    report["speed"] = speed
+    print_speed(speed, args.trace, speed_instances)
+    report["calibration"] = calib
+    print_calibration(calib)
+    report["fleet_calibration"] = run_fleet_calibration(setup, *plan.fleet_calibration)
+    print_fleet_calibration(report["fleet_calibration"])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.replot:
+        write_plots(json.loads(Path(args.replot).read_text()), Path(args.out))
+        return
+    plan = make_plan(args)
+    mix = tuple(float(x) for x in args.mix.split(","))
+    setup = Setup(args.trace, args.latency_profile, mix, plan.warmup_s, plan.window_s)
+    scan_setup = Setup(args.trace, args.latency_profile, mix, plan.scan_warmup_s, plan.scan_window_s)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    bound = setup.bound()
+    built = build_setup(setup)
+    co_budget = co_chunk_budget(built.model, built.tiers, bound)
+    report = describe_setup(args, plan, setup, bound, co_budget)
+    if args.scan_only:
+        policies = list(plan.policies) if args.policies else ["polyserve"]
+        report["scan"] = scan_only(args, plan, scan_setup, policies, bound, co_budget)
+        _write_report(report, out_dir / "goodput_scan.json", t_start)
+        plot_scan(report["scan"], policies, plan.fleet_sizes, bound.rate(1), out_dir / "goodput_vs_fleet_size.png")
+        print(f"\nwrote {out_dir}/goodput_scan.json and goodput_vs_fleet_size.png; total wall time "
+              f"{report['wall_s']:.0f} s")
+        return
+    every_experiment(args, plan, setup, scan_setup, bound, co_budget, report)
+    _write_report(report, out_dir / "goodput.json", t_start)
     write_plots(report, out_dir)
     print(f"\nwrote {out_dir}/goodput.json and plots; total wall time {report['wall_s']:.0f} s")
 
 
-def _call(task):
-    fn, arg = task
-    return fn(arg)
+def _write_report(report: dict, path: Path, t_start: float) -> None:
+    report["wall_s"] = time.perf_counter() - t_start
+    path.write_text(json.dumps(_rounded(report), default=_json_default))
 
 
 def _pct(a: np.ndarray, q: float) -> float:

@@ -13,8 +13,8 @@ outpace arrivals; the reports touch every resident of the fleet, so the decision
 report counts the instance's resident summary again and takes there the snapshot and prefill chunk the next scan
 reads. The reports are not in the decision's time; their median is printed beside it. In that synthetic fleet no
 request ever leaves, so while the reports go on, residents grow past their max_tokens and instances past their KV
-pool (at the end of the live mode 2 of 3 checks met an instance already over its KV): it bounds the scan from above.
-"simulated": the decision timed inside the fleet simulator (cluster/simulator.py; bench/goodput.py's setup:
+pool: it bounds the scan from above.
+"simulated": the decision timed inside the fleet simulator (cluster/sim/simulator.py; bench/goodput.py's setup:
 default tiers, Azure conversation lengths, Poisson arrivals at --sim-loads x the fluid bound), the same Router
 object under the traffic it is built for: requests finish, every instance reports each step it took before the
 next decision, the engines' KV pools hold what they hold.
@@ -22,7 +22,8 @@ next decision, the engines' KV pools hold what they hold.
 Throughput: one emulated engine process (`--time-scale`), `--requests` requests of 16 prompt tokens and
 `--max-tokens` outputs at `--concurrency`, first through a bare protocol client, then through RouterService on the
 same engine (its cold start is printed too). Per-token delivery latency: time the consumer holds a token minus the
-engine's emit time (one monotonic clock on one machine). Figures are medians unless marked, measured on this machine's CPU.
+engine's emit time (one monotonic clock on one machine). Figures are medians unless marked, measured on this
+machine's CPU.
 """
 from __future__ import annotations
 
@@ -38,13 +39,14 @@ from pathlib import Path
 
 from cluster import protocol as p
 from cluster.autoscaler import Autoscaler, ScalingLimits
-from cluster.emulation import emulated_latency_model, kv_blocks_for_gpu
 from cluster.fleet import RoutedRequest
 from cluster.launcher import LocalLauncher
 from cluster.router import InstanceReport, Outcome, Router
 from cluster.service import RouterService
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.serve import DEFAULT_TIERS, parse_tiers
+from scheduler.roofline import emulated_latency_model, kv_blocks_for_gpu
+from scheduler.tiers import DEFAULT_TIERS, Tier, parse_tiers
 
 
 # ---- placement --------------------------------------------------------------------------------------------------
@@ -167,14 +169,14 @@ def bench_placement(num_instances: int, tiers_spec: str, decisions: int, seed: i
 def bench_placement_simulated(num_instances: int, loads: tuple[float, ...], duration_s: float, warmup_s: float,
                               seed: int = 1) -> dict:
     """Decisions after `warmup_s` of virtual time (the fleet fills from empty first)."""
-    from bench.goodput import Setup, _built, make_simulator
+    from bench.goodput import Setup, build_setup, make_simulator
 
     setup = Setup("azure2023_conv", None, (1.0, 1.0, 1.0, 1.0), 0.0, duration_s)
-    model, tiers, factory = _built(setup)
+    built = build_setup(setup)
     bound = setup.bound()
     figures = {}
     for load in loads:
-        sim = make_simulator("polyserve", num_instances, model, tiers, co_budget=0)
+        sim = make_simulator("polyserve", num_instances, built.model, built.tiers, co_budget=0)
         times, checks = [], []
 
         def timed_router(expected_output: float, build=sim._build_router) -> Router:
@@ -197,7 +199,7 @@ def bench_placement_simulated(num_instances: int, loads: tuple[float, ...], dura
 
         sim._build_router = timed_router
         rate = load * bound.rate(num_instances)
-        res = sim.run(factory.poisson(rate, duration_s, seed))
+        res = sim.run(built.workloads.poisson(rate, duration_s, seed))
         times.sort()
         figures[load] = {"rate": rate, "decisions": len(times), "median_us": statistics.median(times),
                          "p90_us": times[int(0.9 * len(times))], "p99_us": times[int(0.99 * len(times))],
@@ -211,7 +213,8 @@ def _prompt(i: int) -> list[int]:
     return [3 + (i * 31 + j * 7) % 900 for j in range(16)]
 
 
-async def _direct(host: str, port: int, n: int, concurrency: int, max_tokens: int) -> tuple[float, list[float]]:
+async def _direct(host: str, port: int, tier: Tier, n: int, concurrency: int,
+                  max_tokens: int) -> tuple[float, list[float]]:
     """A bare protocol client: keeps `concurrency` requests in flight on one connection."""
     reader, writer = await asyncio.open_connection(host, port)
     assert isinstance(await p.read_message(reader), p.Hello)
@@ -221,7 +224,7 @@ async def _direct(host: str, port: int, n: int, concurrency: int, max_tokens: in
     def submit():
         nonlocal sent
         writer.write(p.encode_frame(p.Submit(f"d{sent}", _prompt(sent), p.SamplingSpec(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True), p.SLOSpec(5000, 500), 0.0)))
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True), tier.name, tier.slo, 0.0)))
         sent += 1
 
     start = time.monotonic()
@@ -241,16 +244,17 @@ async def _direct(host: str, port: int, n: int, concurrency: int, max_tokens: in
     return n / elapsed, lags
 
 
-async def _routed(service: RouterService, n: int, concurrency: int, max_tokens: int) -> tuple[float, list[float]]:
+async def _routed(service: RouterService, tier: Tier, n: int, concurrency: int,
+                  max_tokens: int) -> tuple[float, list[float]]:
     lags: list[float] = []
     offsets = {iid: link.clock_offset for iid, link in service.links.items()}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    tier = service.router.tiers[len(service.router.tiers) - 1]
     queue = iter(range(n))
 
     async def worker():
         for i in queue:
-            async for out in service.generate(f"q{i}", _prompt(i), params, tier.slo, time.monotonic()):
+            async for out in service.generate(f"q{i}", _prompt(i), params, tier.name, tier.slo,
+                                              time.monotonic()):
                 now = time.monotonic()
                 k = len(out.new_token_ids)
                 if k:  # back on the engine's clock: the mapped times carry the Hello's transit
@@ -268,18 +272,19 @@ async def bench_throughput(requests: int, concurrency: int, max_tokens: int, tim
             "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 4096, "eos_token_id": 2}))
-        launcher = LocalLauncher(["--executor", "emulated", "--model", folder, "--time-scale", str(time_scale),
-                                  "--batch-policy", "fcfs"])
+        launcher = LocalLauncher(EngineConfig(model=folder, executor="emulated", time_scale=time_scale,
+                                              batch_policy="fcfs"))
         host, port = await launcher.start("bench-engine")
+        tiers = parse_tiers(DEFAULT_TIERS)
+        loosest = tiers[len(tiers) - 1]
         try:
-            await _direct(host, port, concurrency, concurrency, 4)  # warm-up
-            direct_rps, direct_lags = await _direct(host, port, requests, concurrency, max_tokens)
-            tiers = parse_tiers(DEFAULT_TIERS)
+            await _direct(host, port, loosest, concurrency, concurrency, 4)  # warm-up
+            direct_rps, direct_lags = await _direct(host, port, loosest, requests, concurrency, max_tokens)
             service = RouterService(Router(tiers, emulated_latency_model(time_scale)))
             await service.start()
             await service.attach(host, port)
-            await _routed(service, concurrency, concurrency, 4)  # warm-up
-            routed_rps, routed_lags = await _routed(service, requests, concurrency, max_tokens)
+            await _routed(service, loosest, concurrency, concurrency, 4)  # warm-up
+            routed_rps, routed_lags = await _routed(service, loosest, requests, concurrency, max_tokens)
             await service.stop()
         finally:
             await launcher.close()

@@ -17,6 +17,7 @@ from scheduler import (H100_SXM, LLAMA_3_1_8B, SLO, AttainabilityChecker, Instan
                        OnlineLatencyModel, OutputLengthTracker, PolyServePolicy, ProfileTable, RequestSnapshot,
                        RooflineLatencyModel)
 from scheduler.build_profiles import PROFILE_DIR
+from scheduler.instance_state import ResidentSummary
 
 TIERS = [SLO(ttft_ms=300, tpot_ms=25), SLO(ttft_ms=600, tpot_ms=50), SLO(ttft_ms=1500, tpot_ms=100),
          SLO(ttft_ms=3000, tpot_ms=200)]
@@ -99,13 +100,16 @@ def main() -> None:
                                       num_output_tokens=r.num_output_tokens) for r in running)
     state = InstanceState(residents=residents, kv_capacity_tokens=2_000_000, iteration_end=NOW + 0.01, tpot_ms=100)
     candidate = RequestSnapshot(arrival=NOW, num_prompt_tokens=1500, max_tokens=1000, slo=TIERS[2], tier="100")
-    print("AttainabilityChecker.check, 256 residents (target <= 100 us):")
+    print("AttainabilityChecker.check (counts the residents each call), and .fits on the summary an owner keeps "
+          "(the router's scan), 256 residents (target <= 100 us):")
+    summary = ResidentSummary(residents, tracker)
     for name, model in models.items():
         checker = AttainabilityChecker(model, tracker, max_prefill_chunk=2048)
         result = checker.check(state, candidate, NOW)
         us = median_us(lambda: checker.check(state, candidate, NOW), 2000)
-        print(f"  {name:14s} {us:7.1f} us  (ok={result.ok}, reason={result.reason and result.reason.value}, "
-              f"peak KV {result.peak_kv_tokens})")
+        fits_us = median_us(lambda: checker.fits(summary, 2_000_000, NOW + 0.01, 100, candidate, NOW), 2000)
+        print(f"  {name:14s} check {us:7.1f} us, fits {fits_us:5.1f} us  (ok={result.ok}, "
+              f"reason={result.reason and result.reason.value}, peak KV {result.peak_kv_tokens})")
 
 
 if __name__ == "__main__":

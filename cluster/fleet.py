@@ -6,9 +6,10 @@ caller's clock; nothing here reads one.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-from scheduler.instance_state import InstanceState, RequestSnapshot, ResidentSummary
+from scheduler.instance_state import RequestSnapshot, ResidentSummary
+from scheduler.output_length import OutputLengthTracker
 from scheduler.slo import SLO
 
 
@@ -23,8 +24,8 @@ class InstanceStatus(enum.Enum):
 class RoutedRequest:
     """A request as the router knows it. The progress fields follow the host's step reports.
 
-    It has every field of `scheduler.instance_state.ResidentRequest` under the same name, so an instance's residents
-    go into its InstanceState and ResidentSummary as they are: no copy per resident."""
+    It has every field of `scheduler.types.ResidentRequest` under the same name, so an instance's residents go into
+    its ResidentSummary as they are: no copy per resident."""
     request_id: str
     tier_index: int  # index into the router's TierSet: the tier whose queue and instances it belongs to
     tier: str  # its name: the key of the output-length mean it is charged
@@ -50,6 +51,7 @@ class InstanceView:
     instance_id: str
     status: InstanceStatus
     since: float  # when it took its current status or tier label (the autoscaler's idle clock)
+    output_lengths: InitVar[OutputLengthTracker]  # the router's: whose means `summary` charges the residents
     tier: int | None = None  # None: in the idle pool
     kv_capacity_tokens: int = 0
     residents: dict[str, RoutedRequest] = field(default_factory=dict)
@@ -63,13 +65,8 @@ class InstanceView:
     # router's scan reads it as it is (AttainabilityChecker.fits)
     summary: ResidentSummary = field(init=False)
 
-    def __post_init__(self):
-        self.summary = ResidentSummary(self.residents.values())
-
-    def snapshot(self, tpot_ms: float) -> InstanceState:
-        """The attainability test's view of it as it is now, held to `tpot_ms` (for `check`: the full verdict)."""
-        return InstanceState(tuple(self.residents.values()), self.kv_capacity_tokens, self.iteration_end, tpot_ms,
-                             self.summary)
+    def __post_init__(self, output_lengths: OutputLengthTracker):
+        self.summary = ResidentSummary(self.residents.values(), output_lengths)
 
     def tightest_resident_tpot_ms(self) -> float:
         return min((r.slo.tpot_ms for r in self.residents.values()), default=float("inf"))

@@ -1,61 +1,17 @@
-"""The fleet router as a pure policy object: placement of requests on instances by SLO tier (DESIGN.md §2).
+"""The fleet router: places requests on instances by SLO tier, as a pure policy object (DESIGN.md §2 for the
+policy, the baselines "random", "round-robin" and "least-loaded", and scale-down).
 
-No clock, no sockets, no asyncio: every method takes `now` (seconds, any monotonic clock the caller keeps) and
-returns what it decided. The live service (cluster/service.py) and the discrete-event simulator drive the very same
-object; the simulator calls these methods in virtual time.
-
-Interface (the caller tells the router what happened; the router answers what to do):
-
-  Instances
-    add_instance(id, now)                    launched, not answering yet (STARTING: counts toward the limits)
-    on_ready(id, kv_capacity_tokens, now)    answering: joins the idle pool (or a tier under its minimum), then
-        -> list[Placement]                   queued requests are retried: send each Placement's request there
-    start_draining(id, now)                  takes nothing new from now on; the caller drains it
-    remove_instance(id, now)                 drained and stopped (no residents left)
-    on_lost(id, now) -> list[RoutedRequest]  died or stopped answering: marked DEAD, its residents handed back
-                                             unplaced; the caller re-submits (readmit=True) those that produced no
-                                             token and ends the others' streams with an error
-  Requests
-    submit(request, now, readmit=False)      place, queue or refuse (a Decision). Placed: send it there.
-        -> Decision                          readmit: an accepted request placed again; the queue bound is waived
-    on_placed(request, id, now)              record a placement decided elsewhere (a restored state, a test's
-                                             hand-built fleet); an idle instance joins the request's tier
-    on_report(id, report, now)               after each engine step: progress of every resident, end of the step
-    on_finished(request_id, n_out, now,      left its instance (finished, aborted, failed); completed=True adds
-                completed=True)              n_out to its tier's output-length mean; may release the instance
-    withdraw(request_id) -> bool             a queued request's client left
-    retry_queued(now) -> list[Placement]     try the queues again (call after finishes and when instances join)
-  Reading
-    fleet (cluster.fleet.Fleet: InstanceView per instance with status, tier label, residents, kv_tokens, load),
-    queue_length(tier), waiting_tiers(), events (recent decisions), counts (totals per event kind)
-  A request is a cluster.fleet.RoutedRequest (id, tier index and name, SLO, arrival, prompt length, max_tokens);
-  tiers are indices into the TierSet, tightest first. An InstanceReport carries the end of the reported step (on
-  the caller's clock), the KV blocks in use and each resident's (request_id, num_computed_tokens,
-  num_output_tokens). Processes are the autoscaler's: `autoscaler.plan(fleet, waiting_tiers(), now)`; the router
-  asks it only for the limits of its label moves.
-
-Submit assumes the request passed admission (`admissible`: its SLO can be met on an idle instance at all).
-
-Placement, policy "polyserve", for a request of tier k:
-  1. own tier: its instances from the highest load to the lowest, the first that passes the attainability test;
-     packing the busiest builds a load gradient, so the least-loaded instance drains and can be released;
-  2. scale up: an idle instance joins tier k (an empty one, or one whose residents all allow tier k's TPOT);
-  3. lazy promotion, only if tier k and the idle pool refuse: tighter tiers, nearest first, each judged at its own
-     tighter TPOT. After the idle pool, not before it (DESIGN.md §2 lists it before): a looser request on a tighter
-     instance holds a slot of that instance's small batch for its whole, long output, so tight requests that come
-     next find the tight tier full; in the simulator, 64 instances, promoting before scale-up gave up at a rate that
-     promoting after it attains at 115 % of the fluid bound (bench/RESULTS.md);
-  4. else wait in tier k's queue (FIFO, bounded: past the bound QUEUE_FULL with a Retry-After estimate).
-  Load = predicted iteration time of the instance's batch, every resident decoding at its current context.
-  The test reads an instance through its resident summary (InstanceView.summary), which the router keeps current as
-  it places requests, takes step reports and forgets requests: a scan costs O(log n) per instance of n residents
-  (plus the latency predictions), not a pass over them; a report pays that pass once and finds the decodes'
-  prefill chunk that the next scan of the instance's tier reads, so a scan right after reports costs what a warm
-  one does.
-  A request that waited until its first token can no longer be on time is judged as if it arrived now: still
-  served, first token as soon as no one else is hurt.
-Scale down: when a tier's least-loaded instance holds no request of that tier, it returns to the idle pool.
-Baselines "random", "round-robin", "least-loaded" (minimum load) ignore tiers: any serving instance, no test.
+No clock, no sockets: every method takes `now` (seconds on a monotonic clock the caller keeps) and returns what it
+decided, so the live service (cluster/service.py) and the fleet simulator drive the very same object. The caller
+tells it what happened, it answers what to do:
+  instances  add_instance, on_ready (-> placements of queued requests), start_draining, remove_instance,
+             on_lost (-> the residents, unplaced, for the caller to readmit or end)
+  requests   submit (-> Decision: placed, queued, queue full, no instance), on_placed, on_report (a step's
+             progress), on_finished, withdraw, retry_queued (-> placements)
+  reading    fleet (cluster.fleet.Fleet), queue_length, waiting_tiers, events, counts
+Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all). The test
+reads an instance through the resident summary the router keeps current (InstanceView.summary), so a scan costs
+O(log n) per instance of n residents; a step report pays the pass over them.
 """
 from __future__ import annotations
 
@@ -65,10 +21,11 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Iterable, Protocol
+from typing import Iterable
 
 from cluster.autoscaler import Autoscaler
 from cluster.fleet import Fleet, InstanceStatus, InstanceView, RoutedRequest
+from cluster.protocol import Resident
 from scheduler.attainability import Attainability, AttainabilityChecker
 from scheduler.instance_state import InstanceState, RequestSnapshot
 from scheduler.latency_model import LatencyModel
@@ -118,18 +75,11 @@ class Event:
     tier: int | None
 
 
-class ResidentProgress(Protocol):
-    """What a step report says of one resident (cluster.protocol.Resident has these fields)."""
-    request_id: str
-    num_computed_tokens: int
-    num_output_tokens: int
-
-
 @dataclass(slots=True, frozen=True)
 class InstanceReport:
     iteration_end: float  # when the reported step ended, on the router's clock
     num_blocks_used: int
-    residents: Iterable[ResidentProgress]
+    residents: Iterable[Resident]  # each resident's progress after the step
 
 
 class Router:
@@ -139,8 +89,8 @@ class Router:
                  gradient: bool = True, promotion: str = "lazy"):
         """`gradient` and `promotion` are PolyServe's ablations: gradient=False tries a tier's least-loaded
         instance first instead of its busiest; promotion "before-scale-up" tries the tighter tiers before the idle
-        pool (DESIGN.md §2's order), "none" never places on a tighter tier, "eager" tries the tighter tiers
-        (nearest first) before the request's own."""
+        pool (the paper's order, DESIGN.md §2), "none" never places on a tighter tier, "eager" tries the tighter
+        tiers (nearest first) before the request's own."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
@@ -167,7 +117,8 @@ class Router:
     def add_instance(self, instance_id: str, now: float) -> None:
         if instance_id in self.fleet.instances and self.fleet.instances[instance_id].status is not InstanceStatus.DEAD:
             raise ValueError(f"instance {instance_id!r} is already in the fleet")
-        self.fleet.instances[instance_id] = InstanceView(instance_id, InstanceStatus.STARTING, now, iteration_end=now)
+        self.fleet.instances[instance_id] = InstanceView(instance_id, InstanceStatus.STARTING, now,
+                                                            self.output_lengths, iteration_end=now)
 
     def on_ready(self, instance_id: str, kv_capacity_tokens: int, now: float) -> list[Placement]:
         view = self.fleet[instance_id]
@@ -209,7 +160,7 @@ class Router:
             del self.requests[req.request_id]
         view.residents.clear()
         view.num_own_tier = view.kv_tokens = 0
-        view.summary.rebuild(self.output_lengths)
+        view.summary.rebuild()
         self._log(now, "lost", None, instance_id, None)
         return lost
 
@@ -220,6 +171,8 @@ class Router:
         return self.checker.check_idle(request, capacity) if capacity else None
 
     def submit(self, req: RoutedRequest, now: float, readmit: bool = False) -> Decision:
+        """Place, queue or refuse. `readmit`: an accepted request placed again (its instance was lost): it waits
+        at the head of its queue, past the queue's bound."""
         if not readmit and req.request_id in self.requests:
             raise ValueError(f"request {req.request_id!r} is already placed or queued")
         if readmit and not req.late:
@@ -247,6 +200,7 @@ class Router:
         return Decision(Outcome.QUEUED)
 
     def on_placed(self, req: RoutedRequest, instance_id: str, now: float) -> None:
+        """Records a placement decided elsewhere; an idle instance joins the request's tier."""
         if req.request_id in self.requests:
             raise ValueError(f"request {req.request_id!r} is already placed or queued")
         view = self.fleet[instance_id]
@@ -272,6 +226,7 @@ class Router:
         view.iteration_end = report.iteration_end + view.load  # the next step started as the reported one ended
 
     def on_finished(self, request_id: str, num_output_tokens: int, now: float, completed: bool = True) -> None:
+        """Left its instance (finished, aborted, failed); a `completed` one's output joins its tier's mean."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -415,9 +370,9 @@ class Router:
     def _refresh(self, view: InstanceView) -> None:
         """After residents' progress changed: their summary counted again here, off the path of the next
         placement, which then reads it as it is, and the prefill chunk its decodes leave at its tier's TPOT (a
-        search of a dozen predictions, once its decodes' KV moved) found here too, where the scan would ask it."""
+        search, once its decodes' KV moved) found here too, where the scan would ask it."""
         summary = view.summary
-        summary.rebuild(self.output_lengths)
+        summary.rebuild()
         if view.tier is not None:
             summary.decode_chunk(self.model, self._tier_tpot_ms[view.tier] / 1000.0, self.max_prefill_chunk)
         view.kv_tokens = summary.kv_residents

@@ -22,9 +22,9 @@ from cluster.engine_link import EngineLink
 from cluster.fleet import InstanceStatus, InstanceView, RoutedRequest
 from cluster.launcher import LocalLauncher
 from cluster.router import Decision, InstanceReport, Outcome, Placement, Router
-from engine.api_server import NoInstanceError, QueueFullError
 from engine.engine import InvalidRequestError, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.serving import NoInstanceError, QueueFullError
 from scheduler.slo import SLO
 
 log = logging.getLogger(__name__)

@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass, field
 
 from cluster import protocol as p
-from engine.api_server import freeze_startup_heap
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, add_engine_args
 from engine.engine import Engine, InvalidRequestError, RequestOutput
 from engine.llm import build_engine
+from engine.serving import freeze_startup_heap
 from scheduler.types import StepStats
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import math
 import signal
@@ -27,6 +26,7 @@ from engine.openai_protocol import (SSE_DONE, APIError, ChatCompletionRequest, C
                                     error_body, messages_of, prompt_of, sampling_params_of, slo_spec_of, sse,
                                     usage)
 from engine.sampling_params import SamplingParams
+from engine.serving import NoInstanceError, QueueFullError, freeze_startup_heap
 from engine.tokenizer import Tokenizer
 from scheduler.attainment import measure_request
 from scheduler.slo import SLO
@@ -35,18 +35,6 @@ log = logging.getLogger(__name__)
 
 
 # ---- what the HTTP layer serves from --------------------------------------------------------------------------
-class QueueFullError(Exception):
-    """Admission refused because the queue is at its bound; answered 429 with Retry-After."""
-
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class NoInstanceError(Exception):
-    """No instance can take the request now (none running, none can be started); answered 503."""
-
-
 class Backend(Protocol):
     model_name: str  # the `model` clients name; /v1/models lists it
     max_model_len: int  # context length: prompt + output tokens
@@ -81,10 +69,11 @@ class Backend(Protocol):
         """One request's outputs as they are produced, under the tier and SLO `slo_for` made concrete; `arrival`
         is time.monotonic() when the HTTP request came in.
 
-        Admission happens on the first `__anext__`, which raises InvalidRequestError (400), QueueFullError (429)
-        or NoInstanceError (503). Each output's `new_token_ids` and `new_text` are what it adds; `logprobs`, when
-        `params.logprobs`, holds the chosen-token log-probabilities of all output tokens so far. The last output
-        has `finished` set; `finish_reason` "error" with `error` set means the request failed after admission.
+        Admission happens on the first `__anext__`, which raises InvalidRequestError (400), or engine.serving's
+        QueueFullError (429) or NoInstanceError (503). Each output's `new_token_ids` and `new_text` are what it
+        adds; `logprobs`, when `params.logprobs`, holds the chosen-token log-probabilities of all output tokens so
+        far. The last output has `finished` set; `finish_reason` "error" with `error` set means the request failed
+        after admission.
         Closing the iterator before the last output (`aclose`) aborts the request and frees what it holds."""
         ...
 
@@ -322,16 +311,6 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     site = web.TCPSite(runner, host, port)
     await site.start()
     return runner, runner.addresses[0][1]
-
-
-def freeze_startup_heap() -> None:
-    """Takes every object alive now (model, tokenizer, modules: what lives as long as the process) out of the
-    garbage collector's walks, so that a full collection while serving walks only what serving allocated: its pause
-    stays short. In a test process (thousands of objects from imports and fixtures) one full collection held the
-    router's event loop for ~120 ms mid-run, delaying every stream. vLLM freezes its heap after warm-up
-    (`freeze_gc_heap`), SGLang offers the same (`freeze_gc`)."""
-    gc.collect()
-    gc.freeze()
 
 
 async def serve_forever(app: web.Application, host: str, port: int) -> None:

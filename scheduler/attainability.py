@@ -1,6 +1,6 @@
 """Can instance s take request r and still attain every SLO on it? (DESIGN.md §2, attainability test.)
 
-Checks, in this order; the first that fails names the rejection:
+Conditions, in this order; the first that fails names the rejection:
 - ttft: r's prefill, behind the queued prefills with earlier first-token deadlines, chunked at the chunk the instance
   affords now (its decodes' per-token budget), starting when the iteration in flight ends, emits r's first token by
   arrival + ttft. Time already queued counts because deadlines run from r's arrival.
@@ -15,10 +15,9 @@ Checks, in this order; the first that fails names the rejection:
   each grown by the iterations r's prefill takes, r's prompt already in the cache) still finishes r's prefill by its
   first-token deadline.
 
-Cost: the residents enter only through their `ResidentSummary` (scheduler/instance_state.py), which the router keeps
-current as requests come and go; from it a test is O(log n) for n residents plus a few dozen latency predictions
-(the binary searches of the chunk sizes; the one the decodes leave is cached per summary). A summary built afresh
-(a state not seen before, or after a step report) costs one pass over the residents.
+The residents enter only through their `ResidentSummary` (scheduler/instance_state.py): on a summary kept current
+by its owner (`fits`, the router's scan) a test is O(log n) for n residents plus the latency predictions of the
+chunk searches; `check` counts one afresh.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from scheduler.chunking import largest_chunk
-from scheduler.instance_state import InstanceState, RequestSnapshot, ResidentSummary
+from scheduler.instance_state import InstanceState, RequestSnapshot, ResidentSummary, remaining_output
 from scheduler.latency_model import LatencyModel
 from scheduler.output_length import OutputLengthTracker
 
@@ -57,6 +56,11 @@ class Attainability:
 
 
 class AttainabilityChecker:
+    """`check` computes every figure and names the first condition that fails; `fits` (the router's scan) computes
+    the same figures with the same step functions, in the order that refuses soonest in a busy fleet, and stops at
+    the first that fails. Their verdicts are the same for any latency model that does not shrink as the batch or
+    its KV grows (every shipped one): `fits` may accept on upper bounds of the steady-state peak."""
+
     def __init__(self, model: LatencyModel, output_lengths: OutputLengthTracker, max_prefill_chunk: int):
         if max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be positive, got {max_prefill_chunk}")
@@ -72,48 +76,19 @@ class AttainabilityChecker:
         return self.check(idle, request, request.arrival)
 
     def check(self, instance: InstanceState, request: RequestSnapshot, now: float) -> Attainability:
-        model, cap = self.model, self.max_prefill_chunk
-        summary = instance.resident_summary()
-        summary.refresh(self.output_lengths)
+        summary = ResidentSummary(instance.residents, self.output_lengths)
         slo = request.slo
-        start = now if now > instance.iteration_end else instance.iteration_end
         budget_s = min(instance.tpot_ms, slo.tpot_ms) / 1000.0
         first_deadline = request.arrival + slo.ttft_ms / 1000.0
-        num_decoding, kv_decoding = summary.num_decoding, summary.kv_decoding
-        num_residents, kv_residents = summary.num_residents, summary.kv_residents
-        num_ahead, work_ahead = summary.ahead(first_deadline)
-
-        r_tokens = request.num_prompt_tokens + request.num_output_tokens
-        work = work_ahead + r_tokens - request.num_computed_tokens
-        r_left = max(min(math.ceil(self.output_lengths.mean(request.tier)), request.max_tokens)
-                     - request.num_output_tokens, 1)
-
-        # ttft: chunked at what the current decodes' budget leaves (no decodes: no per-token budget, full chunks)
-        chunk = summary.decode_chunk(model, budget_s, cap)
+        start = max(now, instance.iteration_end)
+        chunk, work, iterations, num_ahead, work_ahead, first, steady_kv = self._first_token(
+            summary, budget_s, first_deadline, start, request)
         if chunk == 0:
             return Attainability(False, Rejection.TTFT, math.inf, math.inf, 0, 0, math.inf, 0, 0, 0, math.inf)
-        iterations = -(-work // chunk)
-        piece = chunk if chunk < work else work
-        first = start + iterations * model.predict(piece, num_decoding, kv_decoding + piece)
-
-        # second token: one decode iteration with r and everything that was prefilled before it
-        kv_then = kv_decoding + num_decoding * iterations + work_ahead + r_tokens
-        second = first + model.predict(0, num_decoding + num_ahead + 1, kv_then)
-
-        # steady state: r joins with its KV shifted so that it holds r_tokens when its first token is out
-        peak_kv, peak_batch = summary.peak(iterations + r_left, max(r_tokens - iterations, 0))
-        steady_s = model.predict(0, peak_batch, peak_kv)
-
-        # continuity: the worst coming iteration holds every resident decoding, grown over r's prefill
-        kv_worst = kv_residents + num_residents * iterations + max(r_tokens - chunk, 0)
-        worst_chunk = cap if num_residents == 0 else largest_chunk(model, budget_s, num_residents, kv_worst, cap)
-        if worst_chunk == 0:
-            worst_end = math.inf
-        else:
-            worst_piece = worst_chunk if worst_chunk < work else work
-            worst_end = start + -(-work // worst_chunk) * model.predict(worst_piece, num_residents,
-                                                                        kv_worst + worst_piece)
-
+        second = self._second_token(summary, request, first, iterations, num_ahead, work_ahead)
+        peak_kv, peak_batch = summary.peak(iterations + self._remaining(request), steady_kv)
+        steady_s = self.model.predict(0, peak_batch, peak_kv)
+        worst_chunk, worst_end = self._worst_prefill(summary, budget_s, start, request, chunk, work, iterations)
         if first > first_deadline:
             reason = Rejection.TTFT
         elif second > first_deadline + slo.tpot_ms / 1000.0:
@@ -129,62 +104,87 @@ class AttainabilityChecker:
         return Attainability(reason is None, reason, first, second, chunk, iterations, steady_s, peak_kv,
                              peak_batch, worst_chunk, worst_end)
 
-    def attainable(self, instance: InstanceState, request: RequestSnapshot, now: float) -> bool:
-        """`check(instance, request, now).ok`, sooner: see `fits`."""
-        summary = instance.summary
-        if summary.version != instance.summary_version:
-            summary = instance.resident_summary()
-        return self.fits(summary, instance.kv_capacity_tokens, instance.iteration_end, instance.tpot_ms, request, now)
-
     def fits(self, summary: ResidentSummary, kv_capacity_tokens: int, iteration_end: float, tpot_ms: float,
              request: RequestSnapshot, now: float) -> bool:
-        """`attainable` on an instance given by its parts, `summary` describing its residents as they are now (the
-        router's scan: it keeps each instance's summary current, so it needs no InstanceState). The figures stop
-        at the first condition that fails, in the order that refuses soonest in a busy fleet: first token (no
-        latency prediction when r's prefill spans whole chunks), the KV as r's first token is out, continuity, the
-        steady state, the second token."""
-        lengths = self.output_lengths
-        if summary.built_with is not lengths:
-            summary.refresh(lengths)
-        model, cap, slo = self.model, self.max_prefill_chunk, request.slo
-        if slo.tpot_ms < tpot_ms:
-            tpot_ms = slo.tpot_ms
-        budget_s = tpot_ms / 1000.0
-        chunk, chunk_s = summary.decode_chunk_step(model, budget_s, cap)
-        if chunk == 0:
-            return False
-        start = now if now > iteration_end else iteration_end
+        """`check(...).ok` for an instance given by its parts, `summary` describing its residents as they are now
+        (the router keeps one current per instance) with this checker's output lengths. Order: first token (no
+        latency prediction when r's prefill spans whole chunks), the KV as r's first token is out (a floor of the
+        peak), continuity (what refuses most instances that could start r's prefill in time), the steady state,
+        the second token."""
+        slo = request.slo
+        budget_s = (slo.tpot_ms if slo.tpot_ms < tpot_ms else tpot_ms) / 1000.0
         first_deadline = request.arrival + slo.ttft_ms / 1000.0
-        num_decoding, kv_decoding = summary.num_decoding, summary.kv_decoding
-        num_residents, kv_residents = summary.num_residents, summary.kv_residents
-        # residents not decoding wait for (part of) their prefill; with none, nobody goes ahead
-        num_ahead, work_ahead = summary.ahead(first_deadline) if num_residents != num_decoding else (0, 0)
+        start = now if now > iteration_end else iteration_end
+        chunk, work, iterations, num_ahead, work_ahead, first, steady_kv = self._first_token(
+            summary, budget_s, first_deadline, start, request)
+        if first > first_deadline:  # inf when no chunk fits
+            return False
+        if summary.kv_residents + steady_kv > kv_capacity_tokens:
+            return False
+        if self._worst_prefill(summary, budget_s, start, request, chunk, work, iterations)[1] > first_deadline:
+            return False
+        if not self._steady_fits(summary, iterations + self._remaining(request), steady_kv, kv_capacity_tokens,
+                                 budget_s):
+            return False
+        return not self._second_token(summary, request, first, iterations, num_ahead, work_ahead) \
+            > first_deadline + slo.tpot_ms / 1000.0
+
+    # ---- the step functions both compute the figures with ---------------------------------------------------------
+    def _first_token(self, summary: ResidentSummary, budget_s: float, first_deadline: float, start: float,
+                     request: RequestSnapshot) -> tuple[int, int, int, int, int, float, int]:
+        """r's prefill: the chunk the decodes leave within `budget_s` (0: none, no first token), the prompt work
+        until r's first token (the queued prefills due by its deadline go first), the iterations that takes, the
+        residents that go first and their work, the first-token time; and r's KV at iteration 0 of the steady
+        state, shifted so that it holds its prompt and output as its first token is out (with every resident's KV,
+        what the batch holds then: a floor of the peak)."""
+        chunk, chunk_s = summary.decode_chunk(self.model, budget_s, self.max_prefill_chunk)
+        if chunk == 0:
+            return 0, 0, 0, 0, 0, math.inf, 0
+        # the residents not decoding queue a prefill; with none, nobody goes ahead
+        num_ahead, work_ahead = (0, 0) if summary.num_residents == summary.num_decoding else \
+            summary.ahead(first_deadline)
         r_tokens = request.num_prompt_tokens + request.num_output_tokens
         work = work_ahead + r_tokens - request.num_computed_tokens
+        if work < chunk:  # one iteration with part of a chunk
+            chunk_s = self.model.predict(work, summary.num_decoding, summary.kv_decoding + work)
         iterations = -(-work // chunk)
-        first = start + iterations * (chunk_s if work >= chunk else model.predict(work, num_decoding,
-                                                                                 kv_decoding + work))
-        if first > first_deadline:
-            return False
-        r_kv = r_tokens - iterations if r_tokens > iterations else 0
-        if kv_residents + r_kv > kv_capacity_tokens:  # what the batch holds as r's first token is out
-            return False
-        # continuity next: in a busy fleet it is what refuses most instances that could start r's prefill in time
-        # (in the simulator at 64 instances, two checks in three), so the figures after it are mostly not needed
-        kv_worst = kv_residents + num_residents * iterations + max(r_tokens - chunk, 0)
-        worst_chunk = cap if num_residents == 0 else largest_chunk(model, budget_s, num_residents, kv_worst, cap)
-        if worst_chunk == 0:
-            return False
-        worst_piece = worst_chunk if worst_chunk < work else work
-        if start + -(-work // worst_chunk) * model.predict(worst_piece, num_residents,
-                                                            kv_worst + worst_piece) > first_deadline:
-            return False
-        r_left = max(min(math.ceil(lengths.mean(request.tier)), request.max_tokens) - request.num_output_tokens, 1)
-        bound = summary.peak_bound(iterations + r_left, r_kv)
-        if bound is None or bound[0] > kv_capacity_tokens or model.predict(0, bound[1], bound[0]) > budget_s:
-            peak_kv, peak_batch = summary.peak(iterations + r_left, r_kv)
-            if peak_kv > kv_capacity_tokens or model.predict(0, peak_batch, peak_kv) > budget_s:
-                return False
-        kv_then = kv_decoding + num_decoding * iterations + work_ahead + r_tokens
-        return not first + model.predict(0, num_decoding + num_ahead + 1, kv_then) \
-            > first_deadline + slo.tpot_ms / 1000.0
+        return (chunk, work, iterations, num_ahead, work_ahead, start + iterations * chunk_s,
+                r_tokens - iterations if r_tokens > iterations else 0)
+
+    def _second_token(self, summary: ResidentSummary, request: RequestSnapshot, first: float, iterations: int,
+                      num_ahead: int, work_ahead: int) -> float:
+        """One decode iteration after the first token: the decodes, grown over r's prefill, the prefills that went
+        before r, and r."""
+        num_decoding = summary.num_decoding
+        kv = summary.kv_decoding + num_decoding * iterations + work_ahead + request.num_prompt_tokens \
+            + request.num_output_tokens
+        return first + self.model.predict(0, num_decoding + num_ahead + 1, kv)
+
+    def _worst_prefill(self, summary: ResidentSummary, budget_s: float, start: float, request: RequestSnapshot,
+                       chunk: int, work: int, iterations: int) -> tuple[int, float]:
+        """The chunk the worst coming iteration affords (every resident decoding, grown over r's prefill, r's prompt
+        cached but for one chunk), and when r's prefill ends at that chunk (inf: none fits)."""
+        model, cap, n = self.model, self.max_prefill_chunk, summary.num_residents
+        r_tokens = request.num_prompt_tokens + request.num_output_tokens
+        kv = summary.kv_residents + n * iterations + (r_tokens - chunk if r_tokens > chunk else 0)
+        worst = cap if n == 0 else largest_chunk(model, budget_s, n, kv, cap)
+        if worst == 0:
+            return 0, math.inf
+        piece = worst if worst < work else work
+        return worst, start + -(-work // worst) * model.predict(piece, n, kv + piece)
+
+    def _steady_fits(self, summary: ResidentSummary, remaining: int, steady_kv: int, kv_capacity_tokens: int,
+                     budget_s: float) -> bool:
+        """The tpot and kv_capacity conditions at the peak (`summary.peak`), decided on its O(1) upper bounds
+        where they suffice."""
+        predict = self.model.predict
+        bound = summary.peak_bound(remaining, steady_kv)
+        if bound is not None and bound[0] <= kv_capacity_tokens and predict(0, bound[1], bound[0]) <= budget_s:
+            return True
+        peak_kv, peak_batch = summary.peak(remaining, steady_kv)
+        return peak_kv <= kv_capacity_tokens and predict(0, peak_batch, peak_kv) <= budget_s
+
+    def _remaining(self, request: RequestSnapshot) -> int:
+        """Iterations r stays once its first token is out: its remaining expected output."""
+        return remaining_output(request, math.ceil(self.output_lengths.mean(request.tier)))
+

@@ -1,33 +1,21 @@
 """What the attainability test knows of an instance: its residents, and a summary of them kept for speed.
 
-The engine builds a state from its own requests (`RequestSnapshot.of`); the router keeps one per instance from the
-engines' step reports plus the placements it made since the last report, and keeps that instance's
-`ResidentSummary` current as requests come and go, so a test reads aggregates instead of every resident.
+The router keeps one `ResidentSummary` per instance current as requests come and go, so a test reads aggregates
+instead of every resident; an `InstanceState` is a snapshot of an instance, for a test with every figure.
 """
 from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
-from typing import Collection, Protocol, Sequence
+from typing import Collection
 
 from scheduler.chunking import largest_chunk
 from scheduler.latency_model import LatencyModel
 from scheduler.output_length import OutputLengthTracker
-from scheduler.slo import SLO
-from scheduler.types import SchedulableRequest
-
-
-class ResidentRequest(Protocol):
-    """A request as the test reads it: `RequestSnapshot`, and the router's own `RoutedRequest` as it is."""
-    arrival: float  # seconds, the clock `now` is on
-    num_prompt_tokens: int
-    max_tokens: int  # output cap
-    slo: SLO
-    tier: str  # key of the output-length mean it is charged
-    num_computed_tokens: int  # tokens whose KV is cached
-    num_output_tokens: int
+from scheduler.slo import SLO, next_token_deadline
+from scheduler.types import ResidentRequest
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,11 +38,12 @@ class RequestSnapshot:
         if self.num_output_tokens < 0:
             raise ValueError(f"num_output_tokens must be non-negative, got {self.num_output_tokens}")
 
-    @classmethod
-    def of(cls, req: SchedulableRequest, default_slo: SLO, tier: str = "") -> "RequestSnapshot":
-        return cls(arrival=req.arrival, num_prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens,
-                   slo=req.slo or default_slo, tier=tier, num_computed_tokens=req.num_computed_tokens,
-                   num_output_tokens=req.num_output_tokens)
+
+def remaining_output(req: ResidentRequest, expected: int) -> int:
+    """Output tokens `req` is charged still to produce: `expected` (its tier's mean, rounded up) capped by its
+    max_tokens, less its output so far, at least one."""
+    left = (expected if expected < req.max_tokens else req.max_tokens) - req.num_output_tokens
+    return left if left > 1 else 1
 
 
 class ResidentSummary:
@@ -63,57 +52,47 @@ class ResidentSummary:
       whole context cached but the newest token);
     - the others, a prefill queued or under way: the deadline of their next token, sorted, with the prompt work
       each has left (who goes before a candidate is a binary search);
-    - residents by remaining expected output (tier mean rounded up, capped by max_tokens, less the output so
-      far, at least 1): per remaining length, the count and the KV, from which the steady-state KV peak with one
-      more request follows (`peak`: O(1) or O(log n), after one pass over the lengths present once they changed);
-    - the prefill chunk the decodes leave, per time budget, and the time of an iteration with it (the latency
-      model is taken to be fixed while the summary lives: the router's is; the engine takes a new state for every
-      test).
+    - residents by remaining output (`remaining_output` at their tier's mean): per remaining length, the count and
+      the KV, from which the steady-state KV peak with one more request follows (`peak`).
 
-    Whoever changes the residents keeps it current: `add` after one joined, `remove` after one left (its fields as
-    they were when it joined or at the last rebuild), `rebuild` after residents' progress changed (a step report).
-    One never built is counted from `residents` (a live collection) when first read (`refresh`), and counted again
-    when read with another tracker of output lengths, or once a tier mean its remaining lengths used has moved to
-    another integer. `version` counts the owner's changes, so that a state taken earlier can tell that the summary
-    no longer describes its residents.
+    Two rules keep it current, and nothing else:
+    1. The counts are taken from `residents` (a live collection) at construction, and follow them through their
+       owner: `add` after a resident joined, `remove` after one left (its fields as they were counted; one they
+       do not hold has them taken again), `rebuild` after residents' progress changed (a step report). Remaining
+       lengths follow the means of `output_lengths`: `peak` and `peak_bound` take the counts again once a tier
+       mean they used has moved to another integer (the tracker's `generation` tells in O(1) that none moved).
+    2. Figures derived from the counts are memos, dropped when the counts they derive from change: the prefill
+       chunk the decodes leave and the time of an iteration with it, per (budget, latency model, chunk cap),
+       dropped when the decodes change (a model is taken to be fixed while the summary lives: the router's is);
+       and the peak figures, dropped on every change, except those for a newcomer that outlasts every resident
+       (the usual one), which joins and departures degrade to upper bounds instead (`peak_bound`), so the scan
+       right after a placement needs no pass over the lengths.
     """
-    __slots__ = ("residents", "version", "num_residents", "kv_residents", "num_decoding", "kv_decoding",
-                 "built_with", "_expected", "_wait_keys", "_wait_work", "_counts", "_kvs", "_top", "_bound", "_index",
-                 "_chunk_key", "_chunks", "_generation")
+    __slots__ = ("residents", "output_lengths", "num_residents", "kv_residents", "num_decoding", "kv_decoding",
+                 "_generation", "_expected", "_wait_keys", "_wait_work", "_counts", "_kvs", "_chunks", "_outlast",
+                 "_outlast_exact", "_index")
 
-    def __init__(self, residents: Collection[ResidentRequest]):
+    def __init__(self, residents: Collection[ResidentRequest], output_lengths: OutputLengthTracker):
         self.residents = residents
-        self.version = 0
+        self.output_lengths = output_lengths  # whose means the residents' remaining lengths follow
         self.num_residents = self.kv_residents = self.num_decoding = self.kv_decoding = 0
-        # the tracker of output lengths the counts follow (None: not built yet); `refresh` counts for another one
-        self.built_with: OutputLengthTracker | None = None
-        self._chunk_key: tuple | None = None
-        self._chunks: dict[float, tuple[int, float]] = {}
+        self._chunks: dict[tuple[float, LatencyModel, int], tuple[int, float]] = {}
+        self._recount()
 
     # ---- the owner's side --------------------------------------------------------------------------------------
     def add(self, r: ResidentRequest) -> None:
-        self.version += 1
-        if self.built_with is not None:
-            self._count(r, 1)
+        self._count(r, 1)
 
     def remove(self, r: ResidentRequest) -> None:
-        self.version += 1
-        if self.built_with is not None:
-            self._count(r, -1)
+        self._count(r, -1)
 
-    def rebuild(self, lengths: OutputLengthTracker) -> None:
-        """Counts everything again from `residents`, remaining lengths from `lengths`' current means, and the
-        figures `peak` needs for a newcomer that outlasts every resident (the owner's pass, not the next test's)."""
-        self.version += 1
-        self._recount(lengths)
-        self._set_top()
+    def rebuild(self) -> None:
+        """Counts everything again from `residents`, and the figures `peak` needs for a newcomer that outlasts
+        every resident (the owner's pass, not the next test's)."""
+        self._recount()
+        self._exact_outlast()
 
     # ---- the test's side ---------------------------------------------------------------------------------------
-    def refresh(self, lengths: OutputLengthTracker) -> None:
-        """Built, if it is not yet or was built with another tracker's means."""
-        if self.built_with is not lengths:
-            self._recount(lengths)
-
     def ahead(self, first_deadline: float) -> tuple[int, int]:
         """Residents not decoding whose next token is due by `first_deadline`, and their prompt work left."""
         keys = self._wait_keys
@@ -122,42 +101,32 @@ class ResidentSummary:
         n = bisect_right(keys, first_deadline)
         return n, sum(islice(self._wait_work, n))
 
-    def decode_chunk(self, model: LatencyModel, budget_s: float, cap: int) -> int:
-        """Largest prefill chunk beside the decodes within `budget_s` (`largest_chunk`; cap with no decode)."""
-        return self.decode_chunk_step(model, budget_s, cap)[0]
-
-    def decode_chunk_step(self, model: LatencyModel, budget_s: float, cap: int) -> tuple[int, float]:
-        """`decode_chunk` and the predicted time of an iteration of the decodes with a whole such chunk (cached
-        with it: a test whose prefill spans several chunks needs no prediction of its own for them)."""
-        if self._chunk_key != (model, cap):
-            self._chunk_key, self._chunks = (model, cap), {}
-        step = self._chunks.get(budget_s)
+    def decode_chunk(self, model: LatencyModel, budget_s: float, cap: int) -> tuple[int, float]:
+        """Largest prefill chunk beside the decodes within `budget_s` (`largest_chunk`; cap with no decode), and
+        the predicted time of an iteration of the decodes with a whole such chunk (a test whose prefill spans
+        several chunks needs no prediction of its own for them)."""
+        key = (budget_s, model, cap)
+        step = self._chunks.get(key)
         if step is None:
             num_decoding, kv_decoding = self.num_decoding, self.kv_decoding
             chunk = cap if num_decoding == 0 else largest_chunk(model, budget_s, num_decoding, kv_decoding, cap)
-            step = self._chunks[budget_s] = (chunk, model.predict(chunk, num_decoding, kv_decoding + chunk))
+            step = self._chunks[key] = (chunk, model.predict(chunk, num_decoding, kv_decoding + chunk))
         return step
 
     def peak(self, remaining: int, kv: int) -> tuple[int, int]:
         """Largest KV the batch reaches with one more request that holds kv + t tokens at iteration t < remaining,
         each resident holding its KV + t while t < its remaining length; and the batch size then (the latest such
-        iteration on a tie; (0, 0) when it never exceeds 0). Same figures as the iteration-by-departure scan it
-        replaces (tests/test_scheduler_attainability.py keeps it); `refresh` must come first.
+        iteration on a tie; (0, 0) when it never exceeds 0): the figures of a scan departure by departure
+        (tests/test_scheduler_attainability.py holds one).
 
         With S(v) = KV_{>=v} + (v - 1) * N_{>=v} over residents of remaining length >= v, the KV just before a
         departure at v is S(v) for v > remaining, S(remaining) + kv + (remaining - 1) with the request in, and
         S(v) + kv + (v - 1) for v < remaining: a prefix maximum of S and a suffix maximum of S(v) + v - 1, both
         over the lengths present, plus one term."""
         self._follow_means()
-        top = self._top
-        if top is None:
-            top = self._set_top()
-        longest, best, best_n = top
-        if remaining > longest:  # no resident outlasts the request (the usual newcomer): one pass's figures do
-            peak, batch = (kv + remaining - 1, 1) if kv + remaining > 1 else (0, 0)
-            if best + kv > peak:
-                peak, batch = best + kv, best_n + 1
-            return peak, batch
+        longest, best, best_n = self._exact_outlast()
+        if remaining > longest:  # no resident outlasts the request (the usual newcomer): O(1)
+            return _outlasting_peak(remaining, kv, best, best_n + 1)
         index = self._index
         if index is None:
             index = self._index = self._build_index()
@@ -185,43 +154,37 @@ class ResidentSummary:
 
     def peak_bound(self, remaining: int, kv: int) -> tuple[int, int] | None:
         """Upper bounds of `peak(remaining, kv)`'s two figures in O(1) while `peak` would need a pass over the
-        lengths (its figures went stale when a resident joined or left: the instance that took the last placement);
-        None when `peak` itself costs no pass, or when no bound is known. A request that fits within the bounds
-        fits (the latency model grows with KV and batch); only one that does not needs `peak`.
+        lengths (residents joined or left since the last: the instance that took the last placement); None when
+        `peak` itself costs no pass, or when no bound is known. A request that fits within the bounds fits (the
+        latency model grows with KV and batch); only one that does not needs `peak`.
 
         The bounds follow each change: a resident of remaining length L and KV x raises S(v) + v - 1 by
         x + v - 1 <= x + L - 1 where v <= L, and puts a new length L whose figure is at most the max of the old
         ones plus that (some length >= L was present) or x + 2 (L - 1) (none was); one leaving lowers them."""
         self._follow_means()
-        if self._top is not None or self._bound is None:
+        outlast = self._outlast
+        if outlast is None or self._outlast_exact or remaining <= outlast[0]:
             return None
-        longest, best = self._bound
-        if remaining <= longest:
-            return None
-        peak = kv + remaining - 1
-        if best + kv > peak:
-            peak = best + kv
-        return (peak, self.num_residents + 1) if peak > 0 else (0, 0)
+        return _outlasting_peak(remaining, kv, outlast[1], self.num_residents + 1)
 
     # ---- internals ---------------------------------------------------------------------------------------------
     def _follow_means(self) -> None:
-        """Counted again once a tier mean the remaining lengths used has moved to another integer."""
-        lengths = self.built_with
+        lengths = self.output_lengths
         if lengths.generation == self._generation:
             return
         means = lengths.mean
-        for tier, e in self._expected.items():
-            if math.ceil(means(tier)) != e:
-                self._recount(lengths)
-                return
-        self._generation = lengths.generation
+        if all(math.ceil(means(tier)) == e for tier, e in self._expected.items()):
+            self._generation = lengths.generation
+        else:
+            self._recount()
 
-    def _set_top(self) -> tuple[int, int, int]:
-        top = self._top = self._longest_and_best()
-        self._bound = top[:2]
-        return top
+    def _exact_outlast(self) -> tuple[int, int, int]:
+        if not self._outlast_exact:
+            self._outlast, self._outlast_exact = self._longest_and_best(), True
+        return self._outlast
 
-    def _recount(self, lengths: OutputLengthTracker) -> None:
+    def _recount(self) -> None:
+        lengths = self.output_lengths
         means = lengths.mean
         expected: dict[str, int] = {}
         counts: dict[int, int] = {}
@@ -229,7 +192,7 @@ class ResidentSummary:
         waiting: list[tuple[float, int]] = []
         kv_all = num_decoding = kv_decoding = 0
         expected_get, counts_get, kvs_get = expected.get, counts.get, kvs.get
-        for s in self.residents:
+        for s in self.residents:  # `remaining_output` written out: this loop runs over every resident per report
             out = s.num_output_tokens
             tokens = s.num_prompt_tokens + out
             kv_all += tokens
@@ -237,9 +200,7 @@ class ResidentSummary:
                 num_decoding += 1
                 kv_decoding += tokens
             else:
-                s_slo = s.slo
-                waiting.append((s.arrival + (s_slo.ttft_ms + out * s_slo.tpot_ms) / 1000.0,
-                                tokens - s.num_computed_tokens))
+                waiting.append((next_token_deadline(s), tokens - s.num_computed_tokens))
             e = expected_get(s.tier)
             if e is None:
                 e = expected[s.tier] = math.ceil(means(s.tier))
@@ -255,35 +216,36 @@ class ResidentSummary:
             self.num_decoding, self.kv_decoding, self._chunks = num_decoding, kv_decoding, {}
         self._wait_keys = [k for k, _ in waiting]
         self._wait_work = [w for _, w in waiting]
-        self._expected, self._counts, self._kvs, self.built_with = expected, counts, kvs, lengths
-        self._generation = lengths.generation
-        self._top = self._bound = self._index = None
+        self._expected, self._counts, self._kvs = expected, counts, kvs  # _expected: tier -> its mean, rounded up
+        self._generation = lengths.generation  # the publication of the means the counts were last found current at
+        # (longest remaining length, max of S(v) + v - 1, its N_{>=v}): see `peak`; upper bounds of the first two
+        # unless exact; None: not known
+        self._outlast: tuple[int, int, int] | None = None
+        self._outlast_exact = False
+        self._index: tuple[list[int], list[tuple[int, int, int, int]], list[tuple[int, int]]] | None = None
 
     def _count(self, r: ResidentRequest, sign: int) -> None:
-        """Adds (sign 1) or takes out (sign -1) one resident's share; one the summary does not hold leaves it to be
-        rebuilt when next read."""
+        """Adds (sign 1) or takes out (sign -1) one resident's share; taking out one the counts do not hold has
+        them taken again."""
         out = r.num_output_tokens
         tokens = r.num_prompt_tokens + out
         e = self._expected.get(r.tier)
         if e is None:
             if sign < 0:
-                self.built_with = None
+                self._recount()
                 return
-            e = self._expected[r.tier] = math.ceil(self.built_with.mean(r.tier))
-        left = (e if e < r.max_tokens else r.max_tokens) - out
-        if left < 1:
-            left = 1
+            e = self._expected[r.tier] = math.ceil(self.output_lengths.mean(r.tier))
+        left = remaining_output(r, e)
         count = self._counts.get(left, 0) + sign
         if count < 0:
-            self.built_with = None
+            self._recount()
             return
         if out and r.num_computed_tokens >= tokens - 1:
             self.num_decoding += sign
             self.kv_decoding += sign * tokens
             self._chunks = {}
         else:
-            r_slo = r.slo
-            key = r.arrival + (r_slo.ttft_ms + out * r_slo.tpot_ms) / 1000.0
+            key = next_token_deadline(r)
             work = tokens - r.num_computed_tokens
             keys, works = self._wait_keys, self._wait_work
             i = bisect_right(keys, key)
@@ -294,7 +256,7 @@ class ResidentSummary:
                 while i and keys[i - 1] == key and works[i - 1] != work:
                     i -= 1
                 if not i or keys[i - 1] != key:
-                    self.built_with = None
+                    self._recount()
                     return
                 del keys[i - 1], works[i - 1]
         self.num_residents += sign
@@ -304,11 +266,14 @@ class ResidentSummary:
             self._kvs[left] = self._kvs.get(left, 0) + sign * tokens
         else:
             del self._counts[left], self._kvs[left]
-        if sign > 0 and self._bound is not None:
-            longest, best = self._bound
-            self._bound = (longest if longest > left else left,
-                           max(best + tokens + left - 1, tokens + 2 * (left - 1)))
-        self._top = self._index = None
+        outlast = self._outlast
+        if outlast is not None:
+            if sign > 0:
+                longest, best, _ = outlast
+                self._outlast = (longest if longest > left else left,
+                                 max(best + tokens + left - 1, tokens + 2 * (left - 1)), 0)
+            self._outlast_exact = False
+        self._index = None
 
     def _longest_and_best(self) -> tuple[int, int, int]:
         """The longest remaining length present (0: none), and the max of S(v) + v - 1 over all of them with its
@@ -352,33 +317,25 @@ class ResidentSummary:
         return [-v for v in order], above, low
 
 
+def _outlasting_peak(remaining: int, kv: int, best: int, batch_at_best: int) -> tuple[int, int]:
+    """`ResidentSummary.peak` for a request that outlasts every resident: alone at its last iteration, or at the
+    departure where S(v) + v - 1 is `best`, with `batch_at_best` requests in."""
+    peak, batch = (kv + remaining - 1, 1) if kv + remaining > 1 else (0, 0)
+    if best + kv > peak:
+        peak, batch = best + kv, batch_at_best
+    return peak, batch
+
+
 @dataclass(slots=True, frozen=True)
 class InstanceState:
-    """An instance as one or more tests read it. A snapshot: its residents do not change while it is read (their
-    summary is counted once)."""
-    residents: Sequence[ResidentRequest]  # running and queued on the instance
+    """An instance as `AttainabilityChecker.check` reads it (its residents are summarised afresh by each check)."""
+    residents: tuple[ResidentRequest, ...]  # running and queued on the instance
     kv_capacity_tokens: int  # the instance's whole KV pool, in tokens
     iteration_end: float  # when the iteration in flight ends (<= now when idle)
     tpot_ms: float  # the TPOT its tier holds it to
-    # the residents' summary: one kept by whoever owns them, or (None) one of the state's own, built when first read
-    summary: ResidentSummary | None = field(default=None, compare=False, repr=False)
-    summary_version: int = field(default=0, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         if self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be positive, got {self.kv_capacity_tokens}")
         if not self.tpot_ms > 0:
             raise ValueError(f"tpot_ms must be positive, got {self.tpot_ms}")
-        if self.summary is None:
-            object.__setattr__(self, "summary", ResidentSummary(self.residents))
-        object.__setattr__(self, "summary_version", self.summary.version)
-
-    def resident_summary(self) -> ResidentSummary:
-        """The summary of exactly these residents: the one given, unless its owner has changed it since this state
-        was taken (then one of the state's own)."""
-        summary = self.summary
-        if summary.version != self.summary_version:
-            summary = ResidentSummary(self.residents)
-            object.__setattr__(self, "summary", summary)
-            object.__setattr__(self, "summary_version", summary.version)
-        return summary

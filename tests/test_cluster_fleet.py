@@ -13,13 +13,13 @@ import pytest
 
 from cluster import protocol as p
 from cluster.autoscaler import Autoscaler, ScalingLimits
-from cluster.emulation import emulated_latency_model
 from cluster.fleet import InstanceStatus
 from cluster.launcher import LaunchError, LocalLauncher
 from cluster.router import Router
 from cluster.service import RouterService
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
+from scheduler.roofline import emulated_latency_model
 from scheduler.slo import SLO
 from scheduler.tiers import Tier, TierSet
 

@@ -12,15 +12,15 @@ import msgspec
 import pytest
 
 from cluster import protocol as p
-from cluster.emulation import emulated_latency_model
 from cluster.router import Router
 from cluster.service import RouterService
 from cluster.worker import Worker
-from engine.api_server import NoInstanceError
 from engine.config import EngineConfig
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
+from engine.serving import NoInstanceError
 from scheduler.fcfs import FCFSPolicy
+from scheduler.roofline import emulated_latency_model
 from scheduler.slo import SLO
 from scheduler.tiers import Tier, TierSet
 

@@ -5,18 +5,19 @@ the roofline model (Llama-3.1-8B on H200) holds three such requests, a fourth wo
 """
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from cluster.autoscaler import Autoscaler, ScalePlan, ScalingLimits
-from cluster.emulation import emulated_latency_model
 from cluster.fleet import InstanceStatus, RoutedRequest
 from cluster.protocol import Resident
 from cluster.router import How, InstanceReport, Outcome, Router
 from scheduler.attainability import AttainabilityChecker, Rejection
 from scheduler.chunking import largest_chunk
-from scheduler.instance_state import InstanceState
+from scheduler.instance_state import InstanceState, ResidentSummary
+from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import Tier, TierSet
 from test_scheduler_attainability import reference_check
 
@@ -55,6 +56,12 @@ def residents(router: Router, iid: str) -> int:
     return len(router.fleet[iid].residents)
 
 
+def state(router: Router, iid: str, tpot_ms: float) -> InstanceState:
+    """The attainability test's view of instance `iid` as it is now, held to `tpot_ms`."""
+    view = router.fleet[iid]
+    return InstanceState(tuple(view.residents.values()), view.kv_capacity_tokens, view.iteration_end, tpot_ms)
+
+
 def test_own_tier_packs_the_busiest_instance_that_can_attain():
     router = make_router()
     ready(router, "full", "busy", "light")
@@ -63,7 +70,7 @@ def test_own_tier_packs_the_busiest_instance_that_can_attain():
     fill(router, "light", STD, 1)
     loads = [router.fleet[i].load for i in ("full", "busy", "light")]
     assert loads == sorted(loads, reverse=True) and loads[0] > loads[2]
-    full_verdict = router.checker.check(router.fleet["full"].snapshot(50), request("x", STD).snapshot(0.0), 0.0)
+    full_verdict = router.checker.check(state(router, "full", 50), request("x", STD).snapshot(0.0), 0.0)
     assert full_verdict.reason is Rejection.KV_CAPACITY
 
     d = router.submit(request("r1", STD), 0.0)
@@ -143,8 +150,8 @@ def test_promotion_is_judged_at_the_host_tier_tpot():
     router.on_report("h", InstanceReport(0.01, 40, [Resident(r.request_id, 100, 100, 1)
                                                     for r in router.fleet["h"].residents.values()]), 0.01)
     p2 = request("p2", 1, prompt=100, tiers=tiers)
-    at_host = router.checker.check(router.fleet["h"].snapshot(3.6), p2.snapshot(0.0), 0.01)
-    at_own = router.checker.check(router.fleet["h"].snapshot(50.0), p2.snapshot(0.0), 0.01)
+    at_host = router.checker.check(state(router, "h", 3.6), p2.snapshot(0.0), 0.01)
+    at_own = router.checker.check(state(router, "h", 50.0), p2.snapshot(0.0), 0.01)
     assert at_host.reason is Rejection.TPOT and at_own.ok  # passes at its own 50 ms, not at the host's 3.6 ms
     d = router.submit(p2, 0.01)
     assert d.outcome is Outcome.QUEUED and len(router.fleet["h"].residents) == 4
@@ -257,7 +264,7 @@ def test_reports_update_progress_load_and_iteration_end():
     assert reqs[0].num_output_tokens == 50 and reqs[0].num_computed_tokens == 1050
     assert view.kv_tokens == 2050 and view.load > before
     assert view.iteration_end == pytest.approx(2.0 + view.load)
-    assert view.snapshot(50).residents[0].num_output_tokens == 50
+    assert state(router, "a", 50).residents[0].num_output_tokens == 50
 
 
 def test_a_report_prepares_the_next_scan_and_joins_and_leaves_still_show(monkeypatch):
@@ -267,25 +274,23 @@ def test_a_report_prepares_the_next_scan_and_joins_and_leaves_still_show(monkeyp
     view = router.fleet["a"]
     router.on_report("a", InstanceReport(1.0, 0, [Resident(r.request_id, 1000, 1001, 1) for r in reqs]), 1.0)
     # the decodes' chunk already found at the report
-    state = view.snapshot(50)
-    assert state.iteration_end == view.iteration_end and state.summary is view.summary
     summary = view.summary
     budget = TIERS[STD].tpot_ms / 1000.0
     calls = []
     original = MODEL.predict
     monkeypatch.setattr(MODEL, "predict", lambda *a: calls.append(a) or original(*a))
     cap = router.max_prefill_chunk
-    chunk = summary.decode_chunk(MODEL, budget, cap)
+    chunk, _ = summary.decode_chunk(MODEL, budget, cap)
     assert not calls and summary.num_decoding == 2
     assert 0 < chunk == largest_chunk(MODEL, budget, 2, summary.kv_decoding, cap)
     r = request("x", STD, 1.0)
-    assert router.checker.check(view.snapshot(50), r.snapshot(1.0), 1.0) == \
-        reference_check(router.checker, view.snapshot(50), r.snapshot(1.0), 1.0)
-    # a join or a leave: the next snapshot holds the residents as they are now
+    assert router.checker.check(state(router, "a", 50), r.snapshot(1.0), 1.0) == \
+        reference_check(router.checker, state(router, "a", 50), r.snapshot(1.0), 1.0)
+    # a join or a leave: the summary follows it without a count of its own
     router.on_finished(reqs[0].request_id, 1, 1.1)
-    assert [x.request_id for x in view.snapshot(50).residents] == [reqs[1].request_id]
+    assert (summary.num_residents, summary.num_decoding) == (1, 1)
     router.on_placed(r, "a", 1.2)
-    assert [x.request_id for x in view.snapshot(50).residents] == [reqs[1].request_id, "x"]
+    assert (summary.num_residents, summary.num_decoding, summary.ahead(2.2)) == (2, 1, (1, 1000))
 
 
 def test_baselines_ignore_tiers():
@@ -348,6 +353,14 @@ def test_bad_arguments_are_named():
 
 
 # ---- the summary-based test places exactly as the one-pass test it replaced -----------------------------------------
+def assert_counts_as_afresh(summary: ResidentSummary) -> None:
+    """Read without touching what the summary keeps: its peak figures stay as the router left them."""
+    fresh = ResidentSummary(list(summary.residents), summary.output_lengths)
+    for name in ("num_residents", "kv_residents", "num_decoding", "kv_decoding"):
+        assert getattr(summary, name) == getattr(fresh, name)
+    assert summary.ahead(math.inf) == fresh.ahead(math.inf)
+
+
 class ReferenceChecker(AttainabilityChecker):
     """The attainability test as one pass over each instance's residents (tests/test_scheduler_attainability.py)."""
 
@@ -362,7 +375,7 @@ class ReferenceChecker(AttainabilityChecker):
 def test_placements_equal_those_of_the_reference_test_through_random_events():
     """Two routers, one on the summary-kept test and one on the reference, driven by the same random placements,
     step reports, finishes (moving the output-length means), losses and retries: every decision is the same, and
-    each instance's summary stays the one its snapshots hand the test."""
+    each instance's summary describes its residents as a count of them afresh would."""
     rng = random.Random(3)
     fast = make_router(queue_limit=8, max_instances=8)
     ref = make_router(queue_limit=8, max_instances=8)
@@ -432,8 +445,7 @@ def test_placements_equal_those_of_the_reference_test_through_random_events():
         else:
             both("retry_queued", now)
         for view in fast.fleet.instances.values():
-            for tpot in {TIERS[k].tpot_ms for k in range(len(TIERS))}:
-                assert view.snapshot(tpot).resident_summary() is view.summary
+            assert_counts_as_afresh(view.summary)
     assert [(i, sorted(v.residents)) for i, v in sorted(fast.fleet.instances.items())] == \
         [(i, sorted(v.residents)) for i, v in sorted(ref.fleet.instances.items())]
     assert all(outcomes.get(k) for k in ("own", "promoted", "scaled_up", "queued")), outcomes

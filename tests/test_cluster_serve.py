@@ -12,12 +12,12 @@ import openai
 import pytest
 
 from cluster.backend import RouterBackend
-from cluster.emulation import emulated_latency_model
 from cluster.router import Router
 from cluster.serve import build_backend, parse_args
 from cluster.service import RouterService
 from engine import LLM, SamplingParams
 from engine.api_server import ServerThread, build_app
+from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import Tier, TierSet
 
 NUM_KV_BLOCKS = 128  # 2048 tokens: a few long prompts fill an instance, so the queue can be driven full

@@ -220,8 +220,7 @@ def test_summary_peak_equals_the_departure_scan():
         left = [rng.choice((1, 1, rng.randint(1, 8), rng.randint(1, 90))) for _ in range(n)]
         # out 0, max_tokens = the remaining length (under the mean), prompt = the KV: (KV, remaining) as drawn
         residents = [RequestSnapshot(0.0, k, m, SLO_50, "t") for k, m in zip(kv, left)]
-        summary = ResidentSummary(residents)
-        summary.refresh(OutputLengthTracker(default_mean=1000))
+        summary = ResidentSummary(residents, OutputLengthTracker(default_mean=1000))
         for _ in range(5):
             r_left, r_kv = rng.randint(1, 100), rng.randint(0, 300)
             assert summary.peak(r_left, r_kv) == _peak_kv(kv + [r_kv], left + [r_left])
@@ -230,8 +229,8 @@ def test_summary_peak_equals_the_departure_scan():
         n = rng.randint(0, 5)
         kv = [rng.randint(1, 6) for _ in range(n)]
         left = [rng.randint(1, 6) for _ in range(n)]
-        summary = ResidentSummary([RequestSnapshot(0.0, k, m, SLO_50, "t") for k, m in zip(kv, left)])
-        summary.refresh(OutputLengthTracker(default_mean=1000))
+        summary = ResidentSummary([RequestSnapshot(0.0, k, m, SLO_50, "t") for k, m in zip(kv, left)],
+                                  OutputLengthTracker(default_mean=1000))
         r_left, r_kv = rng.randint(1, 8), rng.randint(0, 6)
         assert summary.peak(r_left, r_kv) == _peak_kv(kv + [r_kv], left + [r_left])
 
@@ -383,25 +382,40 @@ class OddBatchesSlow(Linear):
         return super().predict(p, d, k) + (0.03 if p == 0 and d % 2 else 0.0)
 
 
-def random_checker(rng: random.Random) -> AttainabilityChecker:
+def random_checker(rng: random.Random, monotone: bool = False) -> AttainabilityChecker:
+    """A checker on a random model; `monotone`: one that never shrinks as an input grows, as `fits` requires of a
+    model to give `check`'s verdict on upper bounds of the peak."""
     linear = Linear(rng.choice((0.0, 0.004, 0.02)), rng.choice((0.0, 1e-5, 4e-5)), rng.choice((0.0, 2e-4, 1e-3)),
                     rng.choice((0.0, 1e-7, 1e-6)))
-    model = rng.choice((RooflineLatencyModel(H200_SXM, LLAMA_3_1_8B), OddBatchesSlow(0.004, 1e-5, 2e-4, 1e-7), linear))
+    models = [RooflineLatencyModel(H200_SXM, LLAMA_3_1_8B), linear]
+    if not monotone:
+        models.append(OddBatchesSlow(0.004, 1e-5, 2e-4, 1e-7))
+    model = rng.choice(models)
     lengths = OutputLengthTracker(default_mean=rng.uniform(1, 300))
     for _ in range(rng.randint(0, 6)):
         lengths.observe(rng.choice(TIER_NAMES), rng.randint(0, 500))
     return AttainabilityChecker(model, lengths, max_prefill_chunk=rng.choice((16, 512, 2048, 8192)))
 
 
-def assert_same_verdicts(checker, state, candidates, now, reasons):
+def fits(checker, state, request, now, summary=None):
+    """`checker.fits` on `state` given by its parts, its residents described by `summary` (counted afresh by
+    default)."""
+    if summary is None:
+        summary = ResidentSummary(state.residents, checker.output_lengths)
+    return checker.fits(summary, state.kv_capacity_tokens, state.iteration_end, state.tpot_ms, request, now)
+
+
+def assert_same_verdicts(checker, state, candidates, now, reasons, summary=None):
+    """`check` and `fits` agree with the reference (`fits` reading `summary` when given: one read before, or one
+    its owner kept)."""
     for request in candidates:
         expected = reference_check(checker, state, request, now)
         assert checker.check(state, request, now) == expected
-        assert checker.attainable(state, request, now) is expected.ok
+        assert fits(checker, state, request, now, summary) is expected.ok
         reasons[expected.reason] += 1
 
 
-def assert_same_verdicts_at_the_bounds(checker, state, request, now, reasons):
+def assert_same_verdicts_at_the_bounds(checker, state, request, now, reasons, summary):
     """The same instance moved to each bound of the test: KV pool at the peak and one token under; the iteration
     in flight ending so that the first token, the second, or the worst prefill end lands 0.5 ms either side of its
     deadline."""
@@ -417,8 +431,8 @@ def assert_same_verdicts_at_the_bounds(checker, state, request, now, reasons):
             if math.isfinite(end) and end >= now:
                 variants.append((state.kv_capacity_tokens, end))
     for capacity, end in variants:
-        moved = InstanceState(state.residents, capacity, end, state.tpot_ms, state.summary)
-        assert_same_verdicts(checker, moved, [request], now, reasons)
+        moved = InstanceState(state.residents, capacity, end, state.tpot_ms)
+        assert_same_verdicts(checker, moved, [request], now, reasons, summary)
 
 
 def test_summary_based_test_equals_the_reference_on_random_instances():
@@ -432,11 +446,12 @@ def test_summary_based_test_equals_the_reference_on_random_instances():
         kv = sum(r.num_prompt_tokens + r.num_output_tokens for r in residents)
         state = InstanceState(residents, max(1, int(kv * rng.uniform(0.8, 2.5)) + rng.randint(0, 6000)),
                               now + rng.choice((-0.01, 0.0, 0.02)), rng.choice((8, 20, 50, 150)))
-        # several candidates on one state: the cached summary, index and chunks are reused
+        # several candidates on one summary: its index and chunks are reused
+        summary = ResidentSummary(residents, checker.output_lengths)
         candidates = [random_candidate(rng, now) for _ in range(6)]
-        assert_same_verdicts(checker, state, candidates, now, reasons)
+        assert_same_verdicts(checker, state, candidates, now, reasons, summary)
         for request in candidates[:3]:
-            assert_same_verdicts_at_the_bounds(checker, state, request, now, reasons)
+            assert_same_verdicts_at_the_bounds(checker, state, request, now, reasons, summary)
     assert all(reasons.values()), reasons  # every verdict was exercised
 
 
@@ -444,13 +459,12 @@ def test_summary_kept_current_by_its_owner_equals_the_reference():
     rng = random.Random(7)
     reasons = {reason: 0 for reason in (None, *Rejection)}
     for _ in range(12):
-        checker = random_checker(rng)
+        checker = random_checker(rng, monotone=True)  # `fits` reads the owner's summary: peak bounds after changes
         lengths = checker.output_lengths
         live: dict[int, Resident] = {}
-        summary = ResidentSummary(live.values())
+        summary = ResidentSummary(live.values(), lengths)
         serial = 0
         now = 100.0
-        stale: list[tuple[InstanceState, float]] = []
         for _ in range(150):
             op = rng.random()
             if op < 0.4 or not live:  # a placement: a fresh request, as the router adds them
@@ -467,35 +481,33 @@ def test_summary_kept_current_by_its_owner_equals_the_reference():
                 for r in rng.sample(list(live.values()), k=min(len(live), 3)):
                     r.num_output_tokens += 1
                     r.num_computed_tokens = r.num_prompt_tokens + r.num_output_tokens - 1
-                summary.rebuild(lengths)
+                summary.rebuild()
             elif op < 0.85:  # a finish moves a tier's mean: remaining lengths move with it
                 lengths.observe(rng.choice(TIER_NAMES), rng.randint(0, 600))
             now += rng.uniform(0, 0.05)
             kv = sum(r.num_prompt_tokens + r.num_output_tokens for r in live.values())
             state = InstanceState(tuple(live.values()), max(1, int(kv * rng.uniform(0.9, 1.6)) + 2000), now,
-                                  rng.choice((20, 50, 150)), summary)
-            assert_same_verdicts(checker, state, [random_candidate(rng, now) for _ in range(3)], now, reasons)
-            stale.append((state, now))
-        # states taken before later changes still answer for the residents they hold
-        for state, then in rng.sample(stale, k=10):
-            assert_same_verdicts(checker, state, [random_candidate(rng, then)], then, reasons)
+                                  rng.choice((20, 50, 150)))
+            assert_same_verdicts(checker, state, [random_candidate(rng, now) for _ in range(3)], now, reasons,
+                                 summary)
         assert summary.num_residents == len(live)
     assert all(reasons.values()), reasons
 
 
-def test_a_state_without_a_summary_builds_its_own_and_follows_the_checker_that_reads_it():
+def test_one_summary_serves_every_model_and_chunk_cap():
+    """The decodes' chunk is kept per budget, latency model and chunk cap: checkers on other models and caps (one
+    tracker) read one summary as the reference would."""
+    lengths = OutputLengthTracker(100)
     state = instance(BASE)
-    first = checker().check(state, candidate(), NOW)
-    summary = state.resident_summary()
+    summary = ResidentSummary(state.residents, lengths)
     assert (summary.num_residents, summary.num_decoding, summary.kv_decoding) == (2, 2, 2020)
-    # other trackers, models and chunk caps on the same state: each reads it as the reference would
-    others = [checker(mean=20), checker(model=SLOW_DECODE), checker(model=SLOW_DECODE, mean=20),
-              AttainabilityChecker(MODEL, OutputLengthTracker(100), max_prefill_chunk=1000)]
-    for other in others + [checker()]:
+    for model, cap in ((MODEL, 8192), (SLOW_DECODE, 8192), (MODEL, 1000), (SLOW_DECODE, 1000), (MODEL, 8192)):
+        chunk = largest_chunk(model, 0.05, 2, 2020, cap)
+        assert summary.decode_chunk(model, 0.05, cap) == (chunk, model.predict(chunk, 2, 2020 + chunk))
+        other = AttainabilityChecker(model, lengths, cap)
         for r in (candidate(), candidate(slo=SLO(ttft_ms=60, tpot_ms=25))):
-            assert other.check(state, r, NOW) == reference_check(other, state, r, NOW)
-    assert checker().check(state, candidate(), NOW) == first
-    assert state.resident_summary() is summary  # read, never replaced: no change of its residents since
+            expected = reference_check(other, state, r, NOW)
+            assert other.check(state, r, NOW) == expected and fits(other, state, r, NOW, summary) is expected.ok
 
 
 def join_and_leave(rng: random.Random, live: list, summary: ResidentSummary, now: float, changes: int) -> None:
@@ -514,12 +526,10 @@ def test_add_and_remove_keep_the_summary_without_a_recount():
     for _ in range(40):
         now = 50.0
         live = [random_resident(rng, now) for _ in range(rng.randint(0, 40))]
-        summary = ResidentSummary(live)
-        summary.refresh(lengths)
+        summary = ResidentSummary(live, lengths)
         join_and_leave(rng, live, summary, now, 30)
-        # read without `refresh`: what add and remove kept, against a summary counted afresh
-        fresh = ResidentSummary(list(live))
-        fresh.refresh(lengths)
+        # what add and remove kept, against a summary counted afresh
+        fresh = ResidentSummary(list(live), lengths)
         for name in ("num_residents", "kv_residents", "num_decoding", "kv_decoding"):
             assert getattr(summary, name) == getattr(fresh, name)
         for deadline in (now - 2, now - 0.25, now, now + 1, now + 10):
@@ -538,11 +548,10 @@ def test_peak_bounds_after_joins_and_departures_hold_the_exact_peak():
     for _ in range(60):
         now = 50.0
         live = [random_resident(rng, now) for _ in range(rng.randint(0, 60))]
-        summary = ResidentSummary(live)
-        summary.rebuild(lengths)
+        summary = ResidentSummary(live, lengths)
+        summary.rebuild()  # as at a report: exact peak figures, which the joins and departures degrade to bounds
         join_and_leave(rng, live, summary, now, rng.randint(1, 12))
-        fresh = ResidentSummary(list(live))
-        fresh.refresh(lengths)
+        fresh = ResidentSummary(list(live), lengths)
         for _ in range(10):
             remaining, kv = rng.randint(1, 900), rng.randint(0, 5000)
             bound = summary.peak_bound(remaining, kv)

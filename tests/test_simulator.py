@@ -1,4 +1,4 @@
-"""The discrete-event simulator (cluster/simulator.py, cluster/sim_instance.py): hand-computed cases, equality with the
+"""The discrete-event simulator (cluster/sim/simulator.py, cluster/sim/instance.py): hand-computed cases, equality with the
 engine's own step loop, fast-forward equivalence, determinism, and that it drives the live system's objects."""
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 
 import cluster.router
-import cluster.simulator
+import cluster.sim.simulator
 import scheduler.edf
-import scheduler.policy
+import scheduler.fcfs
 import scheduler.polyserve
-from cluster.calibration import replay_on_engine, write_emulated_model_folder
-from cluster.simulator import SimConfig, Simulator
-from cluster.workload import Workload, WorkloadFactory, default_tiers, load_trace
+from cluster.sim.calibration import replay_on_engine, write_emulated_model_folder
+from cluster.sim.simulator import SimConfig, Simulator
+from cluster.sim.workload import Workload, WorkloadFactory, default_tiers, load_trace
 from scheduler.attainability import AttainabilityChecker
 from scheduler.attainment import measure_request
 from scheduler.edf import EDFPolicy
-from scheduler.policy import FCFSPolicy
+from scheduler.fcfs import FCFSPolicy
 from scheduler.polyserve import PolyServePolicy
 from scheduler.profile_table import ProfileTable
 from scheduler.build_profiles import PROFILE_DIR
@@ -145,8 +145,8 @@ def test_attainment_views_on_a_known_case():
 # ---- the engine's step loop, bit for bit ----------------------------------------------------------------------
 POLICIES = {
     "fcfs": lambda model, slo: FCFSPolicy(512, 64),
-    "edf": lambda model, slo: EDFPolicy(slo, 64, 512),
-    "polyserve": lambda model, slo: PolyServePolicy(model, slo, 64, 512),
+    "edf": lambda model, slo: EDFPolicy(64, 512),
+    "polyserve": lambda model, slo: PolyServePolicy(model, 64, 512),
 }
 
 
@@ -198,13 +198,13 @@ def fleet_run(h200, seed=1, rate=70.0, duration=12.0, **kw):
 def test_drives_the_live_router_and_policies(h200):
     sim, res = fleet_run(h200, duration=4.0)
     assert type(sim.router) is cluster.router.Router
-    assert cluster.simulator.Router is cluster.router.Router  # imported, not a copy
+    assert cluster.sim.simulator.Router is cluster.router.Router  # imported, not a copy
     assert type(sim.router.checker) is AttainabilityChecker
     for inst in sim.instances.values():
         assert type(inst.policy) is scheduler.polyserve.PolyServePolicy
     assert res.served.all()
     assert sum(res.counts.get(k, 0) for k in ("own", "promoted", "scaled_up")) == len(res.arrival)
-    for engine_policy, cls in (("fcfs", scheduler.policy.FCFSPolicy), ("edf", scheduler.edf.EDFPolicy)):
+    for engine_policy, cls in (("fcfs", scheduler.fcfs.FCFSPolicy), ("edf", scheduler.edf.EDFPolicy)):
         sim, _ = fleet_run(h200, duration=1.0, router_policy="least-loaded", engine_policy=engine_policy)
         assert all(type(i.policy) is cls for i in sim.instances.values())
 

@@ -15,12 +15,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from cluster.calibration import (attained, replay_on_engine, replay_on_fleet, simulated_with_host_time,
-                                 write_emulated_model_folder)
-from cluster.emulation import ScaledLatencyModel, emulated_latency_model
-from cluster.simulator import SimConfig
-from cluster.workload import TierMix, WorkloadFactory, default_tiers, load_trace
+from cluster.sim.calibration import (attained, replay_on_engine, replay_on_fleet, simulated_with_host_time,
+                                     write_emulated_model_folder)
+from cluster.sim.simulator import SimConfig
+from cluster.sim.workload import TierMix, WorkloadFactory, default_tiers, load_trace
 from scheduler.polyserve import PolyServePolicy
+from scheduler.roofline import emulated_latency_model
 
 TIME_SCALE = 0.5
 RATE = 36.0  # requests per second of scaled time: 18/s on the real H200, near one mixed instance's limit
@@ -57,14 +57,14 @@ def _workload(model, tiers, cfg: SimConfig, rate: float, duration: float):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    model = ScaledLatencyModel(emulated_latency_model().base, TIME_SCALE)
+    model = emulated_latency_model(TIME_SCALE)
     tiers = default_tiers(model)
     cfg = SimConfig(num_instances=1, router_policy="round-robin", reveal_output_len=True)
     w = _workload(model, tiers, cfg, RATE, DURATION)
     folder = write_emulated_model_folder(tmp_path_factory.mktemp("m"))
 
     def replay():
-        policy = PolyServePolicy(model, tiers[3].slo, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+        policy = PolyServePolicy(model, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                  cfg.max_prefill_chunk)
         return replay_on_engine(w, model, policy, folder, cfg.kv_blocks, clock="real")
 

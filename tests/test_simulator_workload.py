@@ -1,4 +1,4 @@
-"""Workloads (cluster/workload.py) and the goodput arithmetic (cluster/goodput.py)."""
+"""Workloads (cluster/sim/workload.py) and the goodput arithmetic (cluster/sim/goodput.py)."""
 from __future__ import annotations
 
 import math
@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from cluster.goodput import fluid_bound, search_goodput, tier_capacity
-from cluster.workload import (REFUSED, TierMix, Workload, WorkloadFactory, assign_tiers, default_tiers, load_trace,
-                              max_idle_prompts)
+from cluster.sim.goodput import fluid_bound, search_goodput, tier_capacity
+from cluster.sim.workload import (REFUSED, TierMix, Workload, WorkloadFactory, assign_tiers, default_tiers,
+                                  load_trace, max_idle_prompts)
 from scheduler.attainability import AttainabilityChecker
 from scheduler.instance_state import RequestSnapshot
 from scheduler.output_length import OutputLengthTracker

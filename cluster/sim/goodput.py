@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from cluster.workload import Workload
+from cluster.sim.workload import Workload
 from scheduler.latency_model import LatencyModel
 
 ATTAINMENT_TARGET = 0.9

@@ -5,7 +5,7 @@ Per step, as the engine does: ask `policy.schedule(now, running, waiting, KvStat
 the KV is dropped, the tokens kept, the request goes back to the queue in arrival order); give every planned request
 its blocks, ceil(tokens / block_size) each, skipping one that does not fit; the step lasts `model.predict(prefill
 tokens, decode seqs, KV tokens)`; at its end every request whose whole context is computed emits a token, and those
-with their output complete leave and free their blocks. `policy.observe` gets the step's StepStats.
+with their output complete leave and free their blocks.
 
 Decode runs. With nothing waiting, a policy that schedules every running request for one decode token is asked
 again next step with the same residents one token longer, and makes the same choice (every policy of scheduler/
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from scheduler.latency_model import LatencyModel
-from scheduler.slo import SLO
-from scheduler.types import BatchPolicy, KvState, StepStats
+from scheduler.slo import SLO, next_token_deadline
+from scheduler.types import BatchPolicy, KvState, is_decode
 
 RUN_CHUNK_STEPS = 64  # steps of a decode run laid out at a time: bounds the work thrown away when one is cut
 
@@ -47,23 +47,18 @@ class SimRequest:
     # latency record, seconds of virtual time
     first_token_time: float = math.nan
     last_token_time: float = math.nan
-    finish_time: float = math.nan
     worst_lateness: float = -math.inf  # max over tokens of emit - deadline
     max_gap: float = 0.0
     num_preemptions: int = 0
-    host: int = -1  # the instance it was placed on
     host_tier: str = ""  # the tier of that instance when placed (differs from `tier` when promoted)
-    placed_at: float = math.nan
     token_times: list[float] | None = None  # every emit time, kept only when asked (tests, calibration)
     tally: "MissTally | None" = None  # counted once, the first time one of its tokens is late
-    deadline0: float = field(init=False)  # first-token deadline
     tpot_s: float = field(init=False)
 
     def __post_init__(self):
         if self.num_prompt_tokens < 1 or self.output_len < 1 or self.max_tokens < self.output_len:
             raise ValueError(f"request {self.request_id}: needs a prompt, an output, and max_tokens >= output_len")
         self.num_tokens = self.num_prompt_tokens
-        self.deadline0 = self.arrival + self.slo.ttft_ms / 1000.0
         self.tpot_s = self.slo.tpot_ms / 1000.0
 
     @property
@@ -71,21 +66,24 @@ class SimRequest:
         return self.num_output_tokens >= self.output_len
 
     def emit(self, t: float) -> None:
-        n = self.num_output_tokens
-        late = t - (self.deadline0 + n * self.tpot_s)
-        if late > self.worst_lateness:
-            if late > 0 >= self.worst_lateness and self.tally is not None:
-                self.tally.missed += 1
-            self.worst_lateness = late
-        if n == 0:
+        self.note_lateness(t - next_token_deadline(self))
+        if self.num_output_tokens == 0:
             self.first_token_time = t
         elif t - self.last_token_time > self.max_gap:
             self.max_gap = t - self.last_token_time
         self.last_token_time = t
-        self.num_output_tokens = n + 1
+        self.num_output_tokens += 1
         self.num_tokens += 1
         if self.token_times is not None:
             self.token_times.append(t)
+
+    def note_lateness(self, late: float) -> None:
+        """A token emitted `late` seconds after its deadline (negative: early): keep the worst, and count the
+        request as missed the first time one is late."""
+        if late > self.worst_lateness:
+            if late > 0 >= self.worst_lateness and self.tally is not None:
+                self.tally.missed += 1
+            self.worst_lateness = late
 
 
 @dataclass(slots=True)
@@ -123,7 +121,6 @@ class SimInstance:
         # the regular step in flight
         self._items: list[tuple[SimRequest, int]] = []
         self._step_start = 0.0
-        self._shape = (0, 0, 0)
         # the decode run in flight: steps [0, _run_len) from _run_start; emit times of the laid-out chunk in _ends
         self._run_len = 0
         self._run_base = 0  # run step index of _ends[0]
@@ -134,7 +131,6 @@ class SimInstance:
         self._tpots: list[float] = []  # distinct TPOTs (s) among the run's residents
         # figures
         self.last_end = 0.0  # end of the last step applied: what its latest report describes
-        self.busy_time = 0.0
         self.num_steps = 0
         self.num_policy_calls = 0
         self.num_preemptions = 0
@@ -151,8 +147,6 @@ class SimInstance:
 
     # ---- driven by the simulator ----------------------------------------------------------------------------
     def enqueue(self, req: SimRequest, now: float) -> None:
-        req.host = self.index
-        req.placed_at = now
         if self.state == RUN:
             self._cut_run(now)  # the next step boundary must see the newcomer
         insort(self.waiting, req, key=_arrival)
@@ -202,7 +196,7 @@ class SimInstance:
             items.append((req, n))
             num_new += n
             num_kv += computed + n
-            if n == 1 and req.num_output_tokens and computed == req.num_tokens - 1:
+            if is_decode(req, n):
                 num_decode += 1
         self.free_blocks = free
         if not items:
@@ -219,7 +213,6 @@ class SimInstance:
         self.state = STEP
         self._items = items
         self._step_start = now
-        self._shape = (num_new - num_decode, num_decode, num_kv)
         self._set_event(now + duration)
 
     def _admit_newcomers(self, items: list[tuple[SimRequest, int]]) -> None:
@@ -250,31 +243,23 @@ class SimInstance:
                 req.emit(t)
                 if req.num_output_tokens >= req.output_len:
                     finished.append(req)
-        num_prefill, num_decode, num_kv = self._shape
-        num_seqs = len(self._items)
         self._items = []
-        self._record_step(self._step_start, t - self._step_start, num_prefill, num_decode, num_kv, num_seqs)
+        self._record_step(self._step_start, t - self._step_start)
         if finished:
             self._retire(finished, t)
 
     def _retire(self, finished: list[SimRequest], t: float) -> None:
         gone = set()
         for req in finished:
-            req.finish_time = t
             self.free_blocks += req.num_blocks
             req.num_blocks = 0
             gone.add(id(req))
         self.running = [r for r in self.running if id(r) not in gone]
         self.on_finish(self, finished, t)
 
-    def _record_step(self, start: float, duration: float, num_prefill: int, num_decode: int, num_kv: int,
-                     num_seqs: int) -> None:
-        self.busy_time += duration
+    def _record_step(self, start: float, duration: float) -> None:
         self.num_steps += 1
         self.last_end = start + duration
-        self.policy.observe(StepStats(start, duration, num_prefill, num_decode, num_kv,
-                                      self.num_total_blocks - self.free_blocks, len(self.running),
-                                      len(self.waiting), num_seqs))
 
     # ---- decode runs ----------------------------------------------------------------------------------------
     def _start_run(self, now: float, kv0: int) -> None:
@@ -339,7 +324,6 @@ class SimInstance:
     def _apply_steps(self, a: int, k: int) -> None:
         """Steps a..k-1 of the current chunk happened: every resident emitted one token at each."""
         ends = self._ends
-        b = len(self.running)
         prev = ends[a - 1] if a else self._chunk_start
         # per distinct TPOT, the worst of (emit - step offset * tpot); per-step gaps are shared
         worst = {}
@@ -361,19 +345,14 @@ class SimInstance:
         bs = self.block_size
         free = self.free_blocks
         for r in self.running:
-            n = r.num_output_tokens
-            late = worst[r.tpot_s] - (r.deadline0 + n * r.tpot_s)
-            if late > r.worst_lateness:
-                if late > 0 >= r.worst_lateness and r.tally is not None:
-                    r.tally.missed += 1
-                r.worst_lateness = late
+            r.note_lateness(worst[r.tpot_s] - next_token_deadline(r))
             g = ends[a] - r.last_token_time
             if gap > g:
                 g = gap
             if g > r.max_gap:
                 r.max_gap = g
             r.last_token_time = last
-            r.num_output_tokens = n + steps
+            r.num_output_tokens += steps
             r.num_tokens += steps
             r.num_computed_tokens += steps
             need = -(-(r.num_computed_tokens + in_flight) // bs) - r.num_blocks
@@ -384,10 +363,8 @@ class SimInstance:
                 r.token_times.extend(ends[a:k])
         self.free_blocks = free
         record = self._record_step
-        base = self._run_base
         for j in range(a, k):
-            i = base + j
-            record(prev, ends[j] - prev, 0, b, self._run_kv0 + b * i, b)
+            record(prev, ends[j] - prev)
             prev = ends[j]
         self._run_applied = k
 
@@ -405,11 +382,9 @@ class SimInstance:
         i = self._run_applied
         start = self._ends[i - 1] if i else self._chunk_start
         end = self._ends[i]
-        b = len(self.running)
         self.state = STEP
         self._items = [(r, 1) for r in self.running]
         self._step_start = start
-        self._shape = (0, b, self._run_kv0 + b * (self._run_base + i))
         self._ends = []
         if end != self.event_time:
             self._set_event(end)

@@ -26,7 +26,7 @@ REFUSED = -1  # tier index of a request no tier can serve even on an idle instan
 
 def traces_dir() -> Path:
     """../shared/traces beside the repository (CI clones the repo next to shared/)."""
-    return Path(__file__).resolve().parents[2] / "shared" / "traces"
+    return Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,7 +3,7 @@
 the GPU. No sockets, no sleeping, no clock: deterministic for a seed.
 
 It is what cluster/service.py does with messages, done with method calls:
-- an arrival is `router.submit`; placed, it is queued on its instance (cluster/sim_instance.py runs the engine's
+- an arrival is `router.submit`; placed, it is queued on its instance (cluster/sim/instance.py runs the engine's
   step loop there); queued, it waits in the router; refused (queue full, no instance), it counts as not attained;
 - after each engine step the router gets the instance's report (`on_report`), sent lazily: just before the router
   decides anything, for every instance that stepped since its last report; the router only ever reads the latest
@@ -25,16 +25,16 @@ from typing import Callable
 import numpy as np
 
 from cluster.autoscaler import Autoscaler, ScalingLimits
-from cluster.emulation import kv_blocks_for_gpu
 from cluster.fleet import InstanceStatus, RoutedRequest
 from cluster.router import InstanceReport, Outcome, Router
-from cluster.sim_instance import IDLE, MissTally, SimInstance, SimRequest
-from cluster.workload import REFUSED, Workload
+from cluster.sim.instance import IDLE, MissTally, SimInstance, SimRequest
+from cluster.sim.workload import REFUSED, Workload
 from scheduler.latency_model import LatencyModel
+from scheduler.policy import BATCH_POLICIES, make_batch_policy
+from scheduler.roofline import kv_blocks_for_gpu
 from scheduler.types import BatchPolicy
 
 ARRIVAL, STEP_EVENT, READY_EVENT, TICK = 0, 1, 2, 3  # same-instant order
-ENGINE_POLICIES = ("polyserve", "edf", "fcfs")
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,7 +42,7 @@ class SimConfig:
     """One simulated deployment. `num_instances` is the fixed fleet; with `autoscale` it is the starting fleet and
     the autoscaler's limits bound it."""
     router_policy: str = "polyserve"  # cluster.router.POLICIES
-    engine_policy: str = "polyserve"  # ENGINE_POLICIES
+    engine_policy: str = "polyserve"  # scheduler.policy.BATCH_POLICIES
     num_instances: int = 8
     autoscale: ScalingLimits | None = None
     cold_start_s: float = 30.0  # spawn to ready: an H200 loading 16 GB of weights and capturing graphs
@@ -65,8 +65,8 @@ class SimConfig:
     seed: int = 0  # the router's own randomness (the random baseline)
 
     def __post_init__(self):
-        if self.engine_policy not in ENGINE_POLICIES:
-            raise ValueError(f"engine_policy must be one of {', '.join(ENGINE_POLICIES)}, got {self.engine_policy!r}")
+        if self.engine_policy not in BATCH_POLICIES:
+            raise ValueError(f"engine_policy must be one of {', '.join(BATCH_POLICIES)}, got {self.engine_policy!r}")
         if self.num_instances < 0 or (self.num_instances == 0 and self.autoscale is None):
             raise ValueError(f"a fixed fleet needs at least one instance, got {self.num_instances}")
         if not (self.cold_start_s >= 0 and self.tick_s > 0 and self.step_overhead_s >= 0
@@ -79,19 +79,10 @@ class SimConfig:
     def kv_blocks(self) -> int:
         return self.num_kv_blocks if self.num_kv_blocks is not None else kv_blocks_for_gpu(self.block_size)
 
-
-def make_batch_policy(config: SimConfig, model: LatencyModel, default_slo) -> BatchPolicy:
-    """The engine's policy object, built as cluster/worker.py builds it."""
-    from scheduler.edf import EDFPolicy
-    from scheduler.policy import FCFSPolicy
-    from scheduler.polyserve import PolyServePolicy
-
-    if config.engine_policy == "polyserve":
-        return PolyServePolicy(model, default_slo, config.max_num_seqs, config.max_num_batched_tokens,
-                               config.max_prefill_chunk)
-    if config.engine_policy == "edf":
-        return EDFPolicy(default_slo, config.max_num_seqs, config.max_prefill_chunk)
-    return FCFSPolicy(config.max_prefill_chunk, config.max_num_seqs)
+    def batch_policy(self, model: LatencyModel) -> BatchPolicy:
+        """One instance's batch policy, `engine_policy` over this deployment's batch limits."""
+        return make_batch_policy(self.engine_policy, model, self.max_num_seqs, self.max_num_batched_tokens,
+                                 self.max_prefill_chunk)
 
 
 @dataclass(slots=True)
@@ -156,8 +147,7 @@ class Simulator:
         """`policy_factory` (one batch policy per instance) defaults to what `config` names; `router_kwargs` reach
         the Router (the ablations' gradient and promotion switches)."""
         self.config, self.tiers, self.model = config, tiers, model
-        default_slo = tiers[len(tiers) - 1].slo  # as cluster/serve.py: requests without an SLO get the loosest
-        self.policy_factory = policy_factory or (lambda: make_batch_policy(config, model, default_slo))
+        self.policy_factory = policy_factory or (lambda: config.batch_policy(model))
         self.router_kwargs = router_kwargs or {}
         self.sample_s = sample_s
         self.instances: dict[str, SimInstance] = {}
@@ -168,8 +158,8 @@ class Simulator:
         cfg = self.config
         autoscaler = Autoscaler(cfg.autoscale) if cfg.autoscale is not None else None
         return Router(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
-                                 queue_limit=cfg.queue_limit, max_prefill_chunk=cfg.max_prefill_chunk,
-                                 expected_output_tokens=expected_output, seed=cfg.seed, **self.router_kwargs)
+                      queue_limit=cfg.queue_limit, max_prefill_chunk=cfg.max_prefill_chunk,
+                      expected_output_tokens=expected_output, seed=cfg.seed, **self.router_kwargs)
 
     def _new_instance(self, now: float) -> str:
         instance_id = f"i{self._next_instance}"

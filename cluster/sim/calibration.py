@@ -6,8 +6,8 @@ Two clocks for the engine:
   step loop, block manager and policy run exactly as live while the times are the model's. The simulator must
   then give the same emit time for every token (tests/test_simulator.py checks it to the last bit).
 - real: the executor sleeps the predicted time (scaled down so a run takes seconds) and the engine reads
-  time.monotonic, host overhead and sleep jitter included: the comparison the issue asks for (attainment within a
-  few points, similar latency distributions).
+  time.monotonic, host overhead and sleep jitter included: the comparison that judges the simulator (attainment
+  within a few points, similar latency distributions).
 
 `replay_on_fleet` does the same for a whole fleet: emulated engine processes (cluster.worker) behind the live
 router service (cluster/service.py), the workload's requests sent through it in real time, against the simulator
@@ -31,12 +31,13 @@ from cluster import protocol
 from cluster.launcher import LocalLauncher
 from cluster.router import Router
 from cluster.service import RouterService
-from cluster.simulator import SimConfig, SimResult, Simulator
-from cluster.workload import REFUSED, Workload
-from engine.api_server import freeze_startup_heap
+from cluster.sim.simulator import SimConfig, SimResult, Simulator
+from cluster.sim.workload import REFUSED, Workload
 from engine.config import EngineConfig
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
+from engine.serving import freeze_startup_heap
+from scheduler.attainment import measure_request
 from scheduler.latency_model import LatencyModel
 from scheduler.roofline import LLAMA_3_1_8B, ModelShape
 from scheduler.types import BatchPolicy
@@ -78,10 +79,10 @@ class EngineReplay:
     # least squares (non-negative) over the last steps the engine kept
     step_overhead_s: float
     step_overhead_per_seq_s: float
-    # real clock: time that neither the model nor the fit explains (steps more than 1 ms over the fit, gaps over
-    # 1 ms between busy steps, wake-ups for an arrival over 1 ms late): the CPU held by another process, or this
-    # one paused. No simulator can know of it, so a run with much of it says nothing about the simulator. 0 on
-    # the virtual clock.
+    # real clock: time that neither the model nor the fit explains (steps more than STALL_THRESHOLD_S over the
+    # fit, gaps longer than that between busy steps, wake-ups for an arrival later than that): the CPU held by
+    # another process, or this one paused. No simulator can know of it, so a run with much of it says nothing about
+    # the simulator. 0 on the virtual clock.
     stall_s: float = 0.0
 
 
@@ -107,7 +108,7 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
     n = len(workload)
     arrivals = workload.arrivals.tolist()
     # the heap frozen as a serving engine's (engine.serve freezes it once serving), before the clock starts: the
-    # full collection that freezing takes would otherwise delay the first arrivals (~0.1 s in a test suite's process)
+    # full collection that freezing takes would otherwise delay the first arrivals
     with _heap_frozen() if clock == "real" else contextlib.nullcontext():
         t0 = time.monotonic()
         if clock == "virtual":
@@ -241,7 +242,7 @@ async def _send_all(service: RouterService, workload: Workload) -> tuple[list[li
         last = None
         try:
             async for last in service.generate(f"r{i}", _distinct_prompt(i, int(workload.prompt_lens[i])),
-                                               SamplingParams(max_tokens=out, ignore_eos=True), tier.slo,
+                                               SamplingParams(max_tokens=out, ignore_eos=True), tier.name, tier.slo,
                                                t0 + float(workload.arrivals[i])):
                 pass
         except Exception:
@@ -295,8 +296,6 @@ def simulated_with_host_time(config: SimConfig, tiers, model: LatencyModel, work
 
 def attained(workload: Workload, token_times: list[list[float] | None]) -> np.ndarray:
     """Per request, whether every token met its cumulative deadline (a refused or unfinished one did not)."""
-    from scheduler.attainment import measure_request
-
     out = np.zeros(len(workload), dtype=bool)
     for i, times in enumerate(token_times):
         k = int(workload.tier_index[i])
