@@ -3,23 +3,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from scheduler.fcfs import StaticBudgetPolicy
 from scheduler.slo import next_token_deadline
 from scheduler.types import KvState, SchedulableRequest, StepPlan, blocks_needed
 
 
-class EDFPolicy:
+class EDFPolicy(StaticBudgetPolicy):
     """All requests, running and waiting, in order of the deadline of the token each emits next; each takes what it
     still needs (1 token for a decode, a chunk of its prompt otherwise) until `max_num_batched_tokens` is spent, so
     a decode whose deadline is far can wait behind prefills (a decode stall: the price of a static budget). When KV
     runs out a running request is preempted, latest deadline first; a waiting request that does not fit ends the
     step's admissions, and so does any preemption.
     """
-
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
 
     def schedule(self, now: float, running: Sequence[SchedulableRequest],
                  waiting: Sequence[SchedulableRequest], kv: KvState) -> StepPlan:

@@ -6,7 +6,17 @@ from typing import Sequence
 from scheduler.types import KvState, SchedulableRequest, StepPlan, blocks_needed
 
 
-class FCFSPolicy:
+class StaticBudgetPolicy:
+    """A policy that spends a fixed token budget per step over at most `max_num_seqs` sequences (the baselines)."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+
+class FCFSPolicy(StaticBudgetPolicy):
     """First come, first served under a static token budget (Sarathi-style chunked prefill).
 
     Running requests go first, oldest first; each takes what it still needs (1 token for a decode, a chunk for an
@@ -15,10 +25,7 @@ class FCFSPolicy:
     """
 
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int):
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        super().__init__(max_num_seqs, max_num_batched_tokens)
 
     def schedule(self, now: float, running: Sequence[SchedulableRequest],
                  waiting: Sequence[SchedulableRequest], kv: KvState) -> StepPlan:

@@ -22,6 +22,9 @@ from cluster.sim.workload import TierMix, WorkloadFactory, default_tiers, load_t
 from scheduler.polyserve import PolyServePolicy
 from scheduler.roofline import emulated_latency_model
 
+# Real time: the live engine sleeps and is measured on the wall clock (see pyproject.toml's `realtime` marker).
+pytestmark = pytest.mark.realtime
+
 TIME_SCALE = 0.5
 RATE = 36.0  # requests per second of scaled time: 18/s on the real H200, near one mixed instance's limit
 DURATION = 6.0
