@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from cluster.service import RouterService
-from engine.admission import admit_slo, refuse_unattainable
 from engine.engine import RequestOutput
 from engine.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
+from engine.serving import admit_slo, refuse_unattainable
 from engine.tokenizer import Tokenizer
 from scheduler.instance_state import RequestSnapshot
 from scheduler.slo import SLO

@@ -85,6 +85,11 @@ class EngineConfig:
             return kv_blocks_for_gpu(self.block_size)
         return self.num_kv_blocks
 
+    @property
+    def names_step_time(self) -> bool:
+        """Whether `known_latency_model` has a model to give (a profile, or the emulated hardware)."""
+        return bool(self.latency_profile) or self.executor == "emulated"
+
     def known_latency_model(self) -> LatencyModel | None:
         """The step time this config names, times `time_scale`: the latency profile; without one, for an emulated
         engine, the roofline of Llama-3.1-8B on an H200 (what it stands in for); else None (a model engine starts

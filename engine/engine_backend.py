@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from engine.admission import admit_slo, refuse_unattainable
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, RequestOutput
 from engine.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
-from engine.serving import NoInstanceError, QueueFullError
+from engine.serving import NoInstanceError, QueueFullError, admit_slo, refuse_unattainable
 from engine.tokenizer import Tokenizer
 from scheduler.instance_state import RequestSnapshot
 from scheduler.slo import SLO

@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     # A profile, or the emulated step time itself, is trusted to refuse requests whose SLO an idle instance could
     # not meet; a live model without a profile starts from a roofline guess (the engine's online fit refines it
     # for scheduling), not good enough to refuse by, so admission then checks tiers only.
-    check_idle = config.known_latency_model() is not None
+    check_idle = config.names_step_time
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
     backend = EngineBackend(engine, name, check_idle=check_idle, max_pending=args.max_pending)
     app = build_app(backend, client_max_size=args.max_body_bytes)
