@@ -11,13 +11,14 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler import (H100_SXM, LLAMA_3_1_8B, SLO, AttainabilityChecker, InstanceState, KvState,
                        OnlineLatencyModel, OutputLengthTracker, PolyServePolicy, ProfileTable, RequestSnapshot,
                        RooflineLatencyModel)
 from scheduler.build_profiles import PROFILE_DIR
 from scheduler.instance_state import ResidentSummary
+from scheduler.slo import deadline_terms
 
 TIERS = [SLO(ttft_ms=300, tpot_ms=25), SLO(ttft_ms=600, tpot_ms=50), SLO(ttft_ms=1500, tpot_ms=100),
          SLO(ttft_ms=3000, tpot_ms=200)]
@@ -36,10 +37,13 @@ class BenchRequest:
     num_output_tokens: int
     num_blocks: int
     max_tokens: int
+    tier: str = field(init=False)
+    first_token_due: float = field(init=False)
+    tpot_s: float = field(init=False)
 
-    @property
-    def tier(self) -> str:
-        return str(self.slo.tpot_ms)
+    def __post_init__(self):
+        self.tier = str(self.slo.tpot_ms)
+        self.first_token_due, self.tpot_s = deadline_terms(self.arrival, self.slo)
 
 
 def make_requests(rng: random.Random, n_running: int, n_waiting: int):

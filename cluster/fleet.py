@@ -10,7 +10,7 @@ from dataclasses import InitVar, dataclass, field
 
 from scheduler.instance_state import RequestSnapshot, ResidentSummary
 from scheduler.output_length import OutputLengthTracker
-from scheduler.slo import SLO
+from scheduler.slo import SLO, deadline_terms
 
 
 class InstanceStatus(enum.Enum):
@@ -37,6 +37,11 @@ class RoutedRequest:
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
     late: bool = False  # its first token can no longer be on time: judged from now on as if it arrived now
+    first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
+    tpot_s: float = field(init=False)
+
+    def __post_init__(self):
+        self.first_token_due, self.tpot_s = deadline_terms(self.arrival, self.slo)
 
     def snapshot(self, arrival: float) -> RequestSnapshot:
         """As the attainability test sees it, dated `arrival` (its own, or now for a late candidate)."""

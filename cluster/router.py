@@ -6,8 +6,8 @@ decided, so the live service (cluster/service.py) and the fleet simulator drive 
 tells it what happened, it answers what to do:
   instances  add_instance, on_ready (-> placements of queued requests), start_draining, remove_instance,
              on_lost (-> the residents, unplaced, for the caller to readmit or end)
-  requests   submit (-> Decision: placed, queued, queue full, no instance), on_placed, on_report (a step's
-             progress), on_finished, withdraw, retry_queued (-> placements)
+  requests   submit (-> Decision: placed, queued, queue full, no instance), on_report (a step's progress),
+             on_finished, withdraw, retry_queued (-> placements)
   reading    fleet (cluster.fleet.Fleet), queue_length, waiting_tiers, events, counts
 Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all). The test
 reads an instance through the resident summary the router keeps current (InstanceView.summary), so a scan costs
@@ -199,17 +199,6 @@ class Router:
         self._log(now, "queued", req.request_id, None, req.tier_index)
         return Decision(Outcome.QUEUED)
 
-    def on_placed(self, req: RoutedRequest, instance_id: str, now: float) -> None:
-        """Records a placement decided elsewhere; an idle instance joins the request's tier."""
-        if req.request_id in self.requests:
-            raise ValueError(f"request {req.request_id!r} is already placed or queued")
-        view = self.fleet[instance_id]
-        if view.status is not InstanceStatus.READY:
-            raise ValueError(f"instance {instance_id!r} is {view.status.value}, not serving")
-        how = How.BASELINE if self.policy != "polyserve" else \
-            How.SCALED_UP if view.tier is None else How.OWN if view.tier == req.tier_index else How.PROMOTED
-        self._apply(req, view, how, now)
-
     def on_report(self, instance_id: str, report: InstanceReport, now: float) -> None:
         view = self.fleet.instances.get(instance_id)
         if view is None or view.status is InstanceStatus.DEAD:
@@ -325,7 +314,7 @@ class Router:
             return True
         idle = InstanceState((), capacity, now, req.slo.tpot_ms)
         return self.checker.check(idle, req.snapshot(req.arrival), now).first_token_time \
-            <= req.arrival + req.slo.ttft_ms / 1000.0
+            <= req.first_token_due
 
     def _apply(self, req: RoutedRequest, view: InstanceView, how: How, now: float) -> None:
         if how is How.SCALED_UP:

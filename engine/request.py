@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
-from scheduler.slo import SLO
+from scheduler.slo import SLO, deadline_terms
 
 
 class RequestStatus(enum.Enum):
@@ -40,9 +40,12 @@ class Request:
     num_prompt_tokens: int = field(init=False)
     num_output_tokens: int = field(init=False, default=0)
     num_tokens: int = field(init=False)
+    first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
+    tpot_s: float = field(init=False)
 
     def __post_init__(self):
         self.num_prompt_tokens = self.num_tokens = len(self.prompt_token_ids)
+        self.first_token_due, self.tpot_s = deadline_terms(self.arrival, self.slo)
 
     def append_output(self, token: int, now: float) -> None:
         self.output_token_ids.append(token)

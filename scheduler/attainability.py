@@ -79,7 +79,7 @@ class AttainabilityChecker:
         summary = ResidentSummary(instance.residents, self.output_lengths)
         slo = request.slo
         budget_s = min(instance.tpot_ms, slo.tpot_ms) / 1000.0
-        first_deadline = request.arrival + slo.ttft_ms / 1000.0
+        first_deadline = request.first_token_due
         start = max(now, instance.iteration_end)
         chunk, work, iterations, num_ahead, work_ahead, first, steady_kv = self._first_token(
             summary, budget_s, first_deadline, start, request)
@@ -91,7 +91,7 @@ class AttainabilityChecker:
         worst_chunk, worst_end = self._worst_prefill(summary, budget_s, start, request, chunk, work, iterations)
         if first > first_deadline:
             reason = Rejection.TTFT
-        elif second > first_deadline + slo.tpot_ms / 1000.0:
+        elif second > first_deadline + request.tpot_s:
             reason = Rejection.SECOND_TOKEN
         elif steady_s > budget_s:
             reason = Rejection.TPOT
@@ -113,7 +113,7 @@ class AttainabilityChecker:
         the second token."""
         slo = request.slo
         budget_s = (slo.tpot_ms if slo.tpot_ms < tpot_ms else tpot_ms) / 1000.0
-        first_deadline = request.arrival + slo.ttft_ms / 1000.0
+        first_deadline = request.first_token_due
         start = now if now > iteration_end else iteration_end
         chunk, work, iterations, num_ahead, work_ahead, first, steady_kv = self._first_token(
             summary, budget_s, first_deadline, start, request)
@@ -127,7 +127,7 @@ class AttainabilityChecker:
                                  budget_s):
             return False
         return not self._second_token(summary, request, first, iterations, num_ahead, work_ahead) \
-            > first_deadline + slo.tpot_ms / 1000.0
+            > first_deadline + request.tpot_s
 
     # ---- the step functions both compute the figures with ---------------------------------------------------------
     def _first_token(self, summary: ResidentSummary, budget_s: float, first_deadline: float, start: float,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from scheduler.slo import SLO
+from scheduler.slo import SLO, deadline_terms
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,9 +33,8 @@ def measure_request(slo: SLO, arrival: float, emit_times: Sequence[float]) -> Re
         raise ValueError("a request needs at least one emitted token to be measured")
     if emit_times[0] < arrival:
         raise ValueError(f"first token emitted at {emit_times[0]} before arrival {arrival}")
-    ttft_s = slo.ttft_ms / 1000.0
-    tpot_s = slo.tpot_ms / 1000.0
-    worst = emit_times[0] - (arrival + ttft_s)
+    first_token_due, tpot_s = deadline_terms(arrival, slo)
+    worst = emit_times[0] - first_token_due
     max_gap = None
     previous = emit_times[0]
     for k in range(1, len(emit_times)):
@@ -48,7 +47,7 @@ def measure_request(slo: SLO, arrival: float, emit_times: Sequence[float]) -> Re
         previous = t
     n = len(emit_times)
     ttft = emit_times[0] - arrival
-    first_on_time = ttft <= ttft_s
+    first_on_time = emit_times[0] <= first_token_due
     mean_tpot = (emit_times[-1] - emit_times[0]) / (n - 1) if n > 1 else None
     return RequestLatency(
         num_tokens=n, ttft=ttft, mean_tpot=mean_tpot, max_gap=max_gap, worst_lateness=worst,

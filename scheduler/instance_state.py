@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import Collection
 
 from scheduler.chunking import largest_chunk
 from scheduler.latency_model import LatencyModel
 from scheduler.output_length import OutputLengthTracker
-from scheduler.slo import SLO, next_token_deadline
-from scheduler.types import ResidentRequest
+from scheduler.slo import SLO, deadline_terms, next_token_deadline
+from scheduler.types import ResidentRequest, is_decoding
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,8 +28,13 @@ class RequestSnapshot:
     tier: str = ""  # key of the output-length mean this request is charged
     num_computed_tokens: int = 0  # tokens whose KV is cached
     num_output_tokens: int = 0
+    first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
+    tpot_s: float = field(init=False)
 
     def __post_init__(self):
+        first_token_due, tpot_s = deadline_terms(self.arrival, self.slo)
+        object.__setattr__(self, "first_token_due", first_token_due)  # derived once: the value stays frozen
+        object.__setattr__(self, "tpot_s", tpot_s)
         if self.num_prompt_tokens < 1 or self.max_tokens < 1:
             raise ValueError(f"a request needs a prompt and an output cap, got num_prompt_tokens "
                              f"{self.num_prompt_tokens}, max_tokens {self.max_tokens}")
@@ -192,7 +197,8 @@ class ResidentSummary:
         waiting: list[tuple[float, int]] = []
         kv_all = num_decoding = kv_decoding = 0
         expected_get, counts_get, kvs_get = expected.get, counts.get, kvs.get
-        for s in self.residents:  # `remaining_output` written out: this loop runs over every resident per report
+        for s in self.residents:  # `is_decoding` and `remaining_output` written out: this loop runs over every
+            # resident per report
             out = s.num_output_tokens
             tokens = s.num_prompt_tokens + out
             kv_all += tokens
@@ -240,7 +246,7 @@ class ResidentSummary:
         if count < 0:
             self._recount()
             return
-        if out and r.num_computed_tokens >= tokens - 1:
+        if is_decoding(r):
             self.num_decoding += sign
             self.kv_decoding += sign * tokens
             self._chunks = {}

@@ -61,7 +61,7 @@ class PolyServePolicy:
         budget_s = float("inf")
         kv_tokens = 0
         for req in decodes:
-            tpot_s = req.slo.tpot_ms / 1000.0
+            tpot_s = req.tpot_s
             slack = next_token_deadline(req) - now
             if slack < tpot_s:
                 slack = tpot_s

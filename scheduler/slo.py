@@ -16,17 +16,23 @@ class SLO:
 
     def token_deadline(self, arrival: float, k: int) -> float:
         """Deadline (seconds) of output token k, k = 1 being the first: arrival + ttft + (k - 1) * tpot."""
-        return arrival + (self.ttft_ms + (k - 1) * self.tpot_ms) / 1000.0
+        first_token_due, tpot_s = deadline_terms(arrival, self)
+        return first_token_due + (k - 1) * tpot_s
+
+
+def deadline_terms(arrival: float, slo: SLO) -> tuple[float, float]:
+    """(first_token_due, tpot_s): the two terms every deadline of a request arriving at `arrival` (seconds) is
+    computed from. Requests take them once, at admission, so that a policy's per-step deadlines are a multiply-add."""
+    return arrival + slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0
 
 
 class Deadlined(Protocol):
-    arrival: float  # seconds, on the clock deadlines are compared with
-    slo: SLO  # made concrete at admission: never None past it
+    first_token_due: float  # seconds, on the clock deadlines are compared with (`deadline_terms`)
+    tpot_s: float
     num_output_tokens: int
 
 
 def next_token_deadline(req: Deadlined) -> float:
     """Deadline (seconds) of the token `req` emits next: `req.slo.token_deadline(req.arrival, outputs + 1)`, the
-    same float, written out because policies call it for every request every step."""
-    slo = req.slo
-    return req.arrival + (slo.ttft_ms + req.num_output_tokens * slo.tpot_ms) / 1000.0
+    same float."""
+    return req.first_token_due + req.num_output_tokens * req.tpot_s

@@ -17,6 +17,8 @@ class ResidentRequest(Protocol):
     router's and the simulator's requests all have these fields, so an instance's residents are read as they are."""
     arrival: float  # seconds, on the clock the caller passes as `now`
     slo: SLO
+    first_token_due: float  # seconds: `scheduler.slo.deadline_terms(arrival, slo)`, taken at admission
+    tpot_s: float
     tier: str  # the tier it was admitted under: the key of the output-length mean it is charged
     num_prompt_tokens: int
     num_computed_tokens: int  # tokens whose KV is in the cache
@@ -71,9 +73,10 @@ def blocks_needed(req: SchedulableRequest, num_new_tokens: int, block_size: int)
     return max(0, total - req.num_blocks)
 
 
-def is_decoding(req: SchedulableRequest) -> bool:
+def is_decoding(req: ResidentRequest) -> bool:
     """Output started and everything but the newest token cached: its next step computes one token."""
-    return req.num_output_tokens > 0 and req.num_computed_tokens >= req.num_tokens - 1
+    out = req.num_output_tokens
+    return out > 0 and req.num_computed_tokens >= req.num_prompt_tokens + out - 1
 
 
 def is_decode(req: SchedulableRequest, num_new_tokens: int) -> bool:

@@ -45,10 +45,12 @@ def ready(router: Router, *ids: str, capacity: int = CAPACITY, now: float = 0.0)
 
 
 def fill(router: Router, iid: str, tier: int, n: int, now: float = 0.0) -> list[RoutedRequest]:
-    """Puts n requests of `tier` on instance `iid` (an idle one joins `tier`)."""
+    """Submits n requests of `tier`, each of which must land on instance `iid`: the test arranges the fleet so that
+    the routing picks it (an idle one joins `tier`, idle ones are taken in the order they came up)."""
     reqs = [request(f"{iid}-{tier}-{i}", tier, now) for i in range(n)]
     for r in reqs:
-        router.on_placed(r, iid, now)
+        d = router.submit(r, now)
+        assert d.outcome is Outcome.PLACED and d.instance_id == iid, (r.request_id, d)
     return reqs
 
 
@@ -65,9 +67,13 @@ def state(router: Router, iid: str, tpot_ms: float) -> InstanceState:
 def test_own_tier_packs_the_busiest_instance_that_can_attain():
     router = make_router()
     ready(router, "full", "busy", "light")
+    # packing sends a request to the busiest instance with room: each instance is filled up before the next one
+    # takes any, then gives back what it should not hold (aborted, so the tier's output-length mean stays put)
     fill(router, "full", STD, 3)  # a fourth request would overflow its KV
-    fill(router, "busy", STD, 2)
-    fill(router, "light", STD, 1)
+    busy = fill(router, "busy", STD, 3)
+    light = fill(router, "light", STD, 3)
+    for r in busy[:1] + light[:2]:
+        router.on_finished(r.request_id, 0, 0.0, completed=False)
     loads = [router.fleet[i].load for i in ("full", "busy", "light")]
     assert loads == sorted(loads, reverse=True) and loads[0] > loads[2]
     full_verdict = router.checker.check(state(router, "full", 50), request("x", STD).snapshot(0.0), 0.0)
@@ -106,9 +112,10 @@ def test_an_idle_instance_joins_before_a_tighter_tier_is_tried():
     def placed(**switches):
         router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=16,
                                                                            idle_pool=0)), **switches)
-        ready(router, "s0", "b0", "spare")
-        fill(router, "s0", STD, 1)
+        ready(router, "b0", "s0", "spare")
+        # batch fills before std holds anything, or the before-scale-up order would promote it onto s0
         fill(router, "b0", BATCH, 3)  # full
+        fill(router, "s0", STD, 1)
         d = router.submit(request("x", BATCH), 0.0)
         return d.instance_id, d.how
 
@@ -121,10 +128,14 @@ def test_ablation_switches_change_only_their_ingredient():
     def placed(**switches):
         router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=16,
                                                                            idle_pool=0)), **switches)
-        ready(router, "t0", "b-busy", "b-light")
-        fill(router, "t0", TIGHT, 1)
-        fill(router, "b-busy", BATCH, 2)
+        ready(router, "b-busy", "b-light", "t0")
+        # batch fills before tight holds anything, or eager promotion would send it onto t0; b-busy is full
+        # before b-light takes its request, since packing would send that one to b-busy too, then gives one back
+        # (aborted, so the tier's output-length mean stays put)
+        busy = fill(router, "b-busy", BATCH, 3)
         fill(router, "b-light", BATCH, 1)
+        router.on_finished(busy[0].request_id, 0, 0.0, completed=False)
+        fill(router, "t0", TIGHT, 1)
         d = router.submit(request("x", BATCH), 0.0)
         return d.instance_id, d.how
 
@@ -143,7 +154,8 @@ def test_promotion_is_judged_at_the_host_tier_tpot():
     ready(router, "h")
     hosted = [request(f"h{i}", 0, prompt=100, tiers=tiers) for i in range(3)]
     for r in hosted:
-        router.on_placed(r, "h", 0.0)
+        d = router.submit(r, 0.0)
+        assert d.outcome is Outcome.PLACED and d.instance_id == "h"
     router.on_report("h", InstanceReport(0.0, 30, [Resident(r.request_id, 100, 100, 1) for r in hosted]), 0.0)
     d = router.submit(request("p1", 1, prompt=100, tiers=tiers), 0.0)  # std has no instance: promoted
     assert (d.instance_id, d.how) == ("h", How.PROMOTED)
@@ -205,7 +217,8 @@ def test_scale_down_releases_the_least_loaded_instance_once_it_holds_no_request_
     ready(router, "a", "b")
     a = fill(router, "a", STD, 3)
     b = fill(router, "b", STD, 1)
-    router.on_placed(request("promo", BATCH), "b", 0.0)  # a looser request promoted onto b
+    d = router.submit(request("promo", BATCH), 0.0)  # no batch instance, none idle: promoted onto b, a is full
+    assert (d.instance_id, d.how) == ("b", How.PROMOTED)
     router.on_finished(a[0].request_id, 100, 1.0)
     assert router.fleet["a"].tier == STD and router.fleet["b"].tier == STD
     router.on_finished(b[0].request_id, 100, 2.0)  # b is the least loaded, with only the promoted request left
@@ -289,7 +302,8 @@ def test_a_report_prepares_the_next_scan_and_joins_and_leaves_still_show(monkeyp
     # a join or a leave: the summary follows it without a count of its own
     router.on_finished(reqs[0].request_id, 1, 1.1)
     assert (summary.num_residents, summary.num_decoding) == (1, 1)
-    router.on_placed(r, "a", 1.2)
+    d = router.submit(r, 1.2)
+    assert (d.instance_id, d.how) == ("a", How.OWN)
     assert (summary.num_residents, summary.num_decoding, summary.ahead(2.2)) == (2, 1, (1, 1000))
 
 
@@ -317,7 +331,7 @@ def test_autoscaler_plan():
     router.add_instance("a", 0.0)
     assert auto.plan(router.fleet, [], 0.0) == ScalePlan()  # starting counts
     router.on_ready("a", CAPACITY, 1.0)
-    fill(router, "a", STD, 3)  # a leaves the pool for tier std
+    fill(router, "a", STD, 3, now=1.0)  # a leaves the pool for tier std
     assert auto.plan(router.fleet, [], 1.0) == ScalePlan(num_to_start=1)  # the pool is short
     router.add_instance("b", 1.0)
     router.on_ready("b", CAPACITY, 2.0)
@@ -332,7 +346,7 @@ def test_autoscaler_plan():
     router.on_lost("a", 14.0)  # a dies: only c is left, in the pool
     assert auto.plan(router.fleet, [], 14.0) == ScalePlan()  # min 1 and pool 1 are met by c
     router.remove_instance("a", 14.0)
-    fill(router, "c", TIGHT, 1)
+    fill(router, "c", TIGHT, 1, now=14.0)
     assert auto.plan(router.fleet, [], 15.0) == ScalePlan(num_to_start=1)  # replace into the pool
 
 

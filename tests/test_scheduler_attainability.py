@@ -11,6 +11,7 @@ from scheduler import (SLO, AttainabilityChecker, InstanceState, OutputLengthTra
 from scheduler.attainability import Attainability
 from scheduler.chunking import largest_chunk
 from scheduler.instance_state import ResidentSummary
+from scheduler.slo import deadline_terms
 from scheduler.roofline import H200_SXM, LLAMA_3_1_8B, RooflineLatencyModel
 
 
@@ -336,11 +337,12 @@ def _peak_kv(kv_lengths: list[int], remaining: list[int]) -> tuple[int, int]:
 class Resident:
     """A mutable resident, as the router keeps them (progress changes in place)."""
     __slots__ = ("arrival", "num_prompt_tokens", "max_tokens", "slo", "tier", "num_computed_tokens",
-                 "num_output_tokens")
+                 "num_output_tokens", "first_token_due", "tpot_s")
 
     def __init__(self, arrival, prompt, max_tokens, slo, tier, computed, out):
         self.arrival, self.num_prompt_tokens, self.max_tokens = arrival, prompt, max_tokens
         self.slo, self.tier = slo, tier
+        self.first_token_due, self.tpot_s = deadline_terms(arrival, slo)
         self.num_computed_tokens, self.num_output_tokens = computed, out
 
 

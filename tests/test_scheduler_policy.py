@@ -1,8 +1,9 @@
 """PolyServe batch policy and the EDF baseline, on hand-computed batches."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
+from scheduler.slo import deadline_terms
 from scheduler import SLO, EDFPolicy, FCFSPolicy, KvState, PolyServePolicy, StepPlan
 
 BLOCK = 16
@@ -21,6 +22,11 @@ class Req:
     num_blocks: int
     max_tokens: int = 1000
     tier: str = ""
+    first_token_due: float = field(init=False)
+    tpot_s: float = field(init=False)
+
+    def __post_init__(self):
+        self.first_token_due, self.tpot_s = deadline_terms(self.arrival, self.slo)
 
 
 def decoding(name, arrival, slo, prompt=1000, out=10, blocks=None):

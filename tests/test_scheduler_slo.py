@@ -7,6 +7,7 @@ import pytest
 from types import SimpleNamespace
 
 from scheduler import SLO, AttainmentTally, Tier, TierSet, measure_request, next_token_deadline
+from scheduler.slo import deadline_terms
 from scheduler.tiers import parse_tiers
 
 
@@ -15,7 +16,8 @@ def test_cumulative_token_deadline():
     assert slo.token_deadline(10.0, 1) == pytest.approx(10.2)
     assert slo.token_deadline(10.0, 3) == pytest.approx(10.3)
     # the next token of a request that has 2 outputs is token 3
-    request = SimpleNamespace(arrival=10.0, slo=slo, num_output_tokens=2)
+    first_token_due, tpot_s = deadline_terms(10.0, slo)
+    request = SimpleNamespace(first_token_due=first_token_due, tpot_s=tpot_s, num_output_tokens=2)
     assert next_token_deadline(request) == slo.token_deadline(10.0, 3)
 
 

@@ -211,7 +211,8 @@ async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: 
                     expected_output_tokens=float(workload.output_lens.mean()) if len(workload) else 128.0)
     launcher = LocalLauncher(EngineConfig(model=model_folder, executor="emulated", num_kv_blocks=num_kv_blocks,
                                           time_scale=time_scale, max_num_seqs=max_num_seqs,
-                                          max_num_batched_tokens=max_num_batched_tokens))
+                                          max_num_batched_tokens=max_num_batched_tokens,
+                                          max_prefill_chunk=max_prefill_chunk))
     service = _ReportKeepingService(router, launcher=launcher, heartbeat_timeout_s=10.0)
     await service.start()
     try:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from scheduler.latency_model import LatencyModel
-from scheduler.slo import SLO, next_token_deadline
+from scheduler.slo import SLO, deadline_terms, next_token_deadline
 from scheduler.types import BatchPolicy, KvState, is_decode
 
 RUN_CHUNK_STEPS = 64  # steps of a decode run laid out at a time: bounds the work thrown away when one is cut
@@ -53,13 +53,14 @@ class SimRequest:
     host_tier: str = ""  # the tier of that instance when placed (differs from `tier` when promoted)
     token_times: list[float] | None = None  # every emit time, kept only when asked (tests, calibration)
     tally: "MissTally | None" = None  # counted once, the first time one of its tokens is late
+    first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
     tpot_s: float = field(init=False)
 
     def __post_init__(self):
         if self.num_prompt_tokens < 1 or self.output_len < 1 or self.max_tokens < self.output_len:
             raise ValueError(f"request {self.request_id}: needs a prompt, an output, and max_tokens >= output_len")
         self.num_tokens = self.num_prompt_tokens
-        self.tpot_s = self.slo.tpot_ms / 1000.0
+        self.first_token_due, self.tpot_s = deadline_terms(self.arrival, self.slo)
 
     @property
     def finished(self) -> bool:

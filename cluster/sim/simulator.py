@@ -403,7 +403,7 @@ class Simulator:
             attained[i] = r.worst_lateness <= 0
             lateness[i] = r.worst_lateness
             ttft[i] = r.first_token_time - r.arrival
-            first_ok = ttft[i] <= r.slo.ttft_ms / 1000.0
+            first_ok = r.first_token_time <= r.first_token_due
             if r.num_output_tokens > 1:
                 mean_tpot[i] = (r.last_token_time - r.first_token_time) / (r.num_output_tokens - 1)
                 max_gap[i] = r.max_gap
