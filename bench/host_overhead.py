@@ -99,7 +99,7 @@ def measure_engine_step(num_seqs: int = 256, iters: int = 200, prompt_len: int =
         blocks = num_seqs * -(-(prompt_len + iters + 64) // 16)
         engine = build_engine(EngineConfig(model=folder, executor="emulated", num_kv_blocks=blocks, batch_policy=policy,
                                            max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs)),
-                              step_time=lambda p, d, k: 0.0)
+                              step_time=lambda p, d, k, n: 0.0)
     rng = random.Random(0)
     for i in range(num_seqs):
         engine.add_request(str(i), [rng.randrange(32000) for _ in range(prompt_len)],

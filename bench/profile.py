@@ -1,14 +1,21 @@
 """Measures the engine's step time over a grid of batch shapes and writes a latency profile (scheduler/profiles/),
-then reports how well each latency model predicts the steps of a real mixed workload (mean absolute % error).
+then reports how well each latency model predicts the steps of a real mixed workload (mean absolute % error), and
+fits the prediction error of those steps (scheduler/prediction_error.py: host time, bias, noise, stalls).
 
 Shapes are built directly in a block manager, so every grid point is exactly (prefill tokens, decode seqs, KV
 tokens); a timed step is what the engine's step times of that batch: building the flattened batch from the block
 tables, the forward and the sampling. The workload is never seen while the profile is measured, and the online
 models are scored prequentially (each step predicted before it is observed), so every figure is held out.
+
+With `--executor emulated` nothing is profiled: the engine sleeps the latency model it stands in for, and the
+workload's steps are fitted against that model, which gives what the engine adds to it on this host (its host time
+per step and per sequence, the sleep's overshoot and jitter, the process' pauses): the `cpu-measured` preset.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import time
 from pathlib import Path
@@ -18,9 +25,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine._C import BlockManager
+from engine.config import EXECUTORS
+from engine.default_model import default_model_path
 from engine.executor import StepBatch
 from engine.llm import device_spec, model_shape
-from scheduler import OnlineLatencyModel, ProfileTable, RooflineLatencyModel
+from scheduler import LatencyModel, OnlineLatencyModel, ProfileTable, RooflineLatencyModel
+from scheduler.prediction_error import PredictionError, fit_prediction_error
 
 # Axes cover the workload's steps: chunks up to the 512-token budget, 1..32 decodes, contexts up to 8k tokens.
 # Decode time on a CPU is far from linear in the batch (1 -> 8 decodes costs ~6 ms each, 8 -> 32 ~2 ms each), so
@@ -59,7 +69,7 @@ class ShapeStep:
         meta = self.blocks.build_batch(self.seqs, self.computed, self.new)
         n_sampled = len(meta.sample_rows)
         self.runner.execute(StepBatch(meta, [SamplingParams(temperature=0)] * n_sampled, [None] * n_sampled,
-                                      self.prefill, self.decodes, int(meta.seq_lens.sum())))
+                                      self.prefill, self.decodes, int(meta.seq_lens.sum()), len(self.seqs)))
         return time.perf_counter() - t0
 
 
@@ -114,31 +124,65 @@ def prequential_mape(model: OnlineLatencyModel, steps) -> float:
     return 100 * sum(errors) / len(errors)
 
 
+def error_fit(model: LatencyModel, steps) -> PredictionError:
+    """The prediction error of `steps` against `model`."""
+    return fit_prediction_error([model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens)
+                                 for s in steps], [s.duration for s in steps], [s.num_seqs for s in steps])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--executor", choices=EXECUTORS, default="model",
+                    help="model: profile the model and fit the workload's error against that profile; emulated: "
+                         "profile nothing, fit the workload's error against the latency model the engine sleeps")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times the mixed workload runs (seeds 0, 1, ...), every step kept (default: 1)")
     ap.add_argument("--out", default=None, help="profile JSON to write (default: print only)")
+    ap.add_argument("--error-out", default=None, help="prediction-error fit JSON to write (default: print only)")
     args = ap.parse_args(argv)
-    llm = LLM(args.model, args.device, max_num_batched_tokens=512, num_kv_blocks=2048)
-    profile = measure_profile(llm, args.repeats)
-    if args.out:
-        profile.save(args.out)
-        print(f"wrote {args.out}")
-    steps = workload_steps(llm)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be positive, got {args.rounds}")
+    if args.executor == "emulated" and args.out:
+        ap.error("--out: an emulated engine sleeps a known latency model, there is no profile to write")
+    llm = LLM(args.model, args.device, executor=args.executor, max_num_batched_tokens=512, num_kv_blocks=2048)
     runner, config = llm.engine.executor, llm.config
-    # the online model exactly as engine.llm.build_engine makes it, with its roofline prior or with this profile
+    # the online model exactly as engine.llm.build_engine makes it, with its prior or with this run's profile
     limits = dict(max_prefill_tokens=config.max_num_batched_tokens, max_decode_seqs=config.max_num_seqs,
                   max_kv_tokens=runner.num_kv_blocks * config.block_size)
-    roofline = RooflineLatencyModel(device_spec(config.device), model_shape(runner.cfg, runner.kv_cache.element_size()))
-    print(f"device={profile.device} model={profile.model} workload steps={len(steps)}")
+    if args.executor == "emulated":
+        reference, reference_name = config.known_latency_model(), "the latency model the engine sleeps"
+        device = f"{config.device}, emulated"
+    else:
+        profile = measure_profile(llm, args.repeats)
+        if args.out:
+            profile.save(args.out)
+            print(f"wrote {args.out}")
+        reference, reference_name = profile, "profile table of this run (trilinear interpolation)"
+        device = profile.device
+    steps = [s for seed in range(args.rounds) for s in workload_steps(llm, seed)]
+    model_name = Path(config.model or default_model_path()).name
+    print(f"device={device} model={model_name} workload steps={len(steps)}")
     print(f"{'latency model':<52}{'MAPE %':>8}")
-    print(f"{'profile table of this run (trilinear interpolation)':<52}{mape(profile, steps):>8.1f}")
-    print(f"{'online fit, profile prior, live (prequential)':<52}"
-          f"{prequential_mape(OnlineLatencyModel(profile, **limits), steps):>8.1f}")
-    print(f"{'online fit, roofline prior, live (the engine default)':<52}"
-          f"{prequential_mape(OnlineLatencyModel(roofline, **limits), steps):>8.1f}")
+    print(f"{reference_name:<52}{mape(reference, steps):>8.1f}")
+    print(f"{'online fit, that prior, live (prequential)':<52}"
+          f"{prequential_mape(OnlineLatencyModel(reference, **limits), steps):>8.1f}")
+    if args.executor == "model":
+        roofline = RooflineLatencyModel(device_spec(config.device),
+                                        model_shape(runner.cfg, runner.kv_cache.element_size()))
+        print(f"{'online fit, roofline prior, live (the engine default)':<52}"
+              f"{prequential_mape(OnlineLatencyModel(roofline, **limits), steps):>8.1f}")
+    fit = error_fit(reference, steps)
+    print(f"prediction error fit (against {reference_name}): {fit}")
+    if args.error_out:
+        with open(args.error_out, "w") as f:
+            json.dump({"executor": args.executor, "device": device, "model": model_name,
+                       "reference": reference_name, "steps": len(steps), "rounds": args.rounds,
+                       "prediction_error": dataclasses.asdict(fit)}, f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.error_out}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ caller's clock; nothing here reads one.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import InitVar, dataclass, field
 
+from scheduler.headroom import ON_TIME
 from scheduler.instance_state import RequestSnapshot, ResidentSummary
 from scheduler.output_length import OutputLengthTracker
 from scheduler.slo import SLO, deadline_terms
@@ -37,6 +39,7 @@ class RoutedRequest:
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
     late: bool = False  # its first token can no longer be on time: judged from now on as if it arrived now
+    standing: int = ON_TIME  # on time so far, or how it first went late (`scheduler.headroom`)
     first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
     tpot_s: float = field(init=False)
 
@@ -60,7 +63,8 @@ class InstanceView:
     tier: int | None = None  # None: in the idle pool
     kv_capacity_tokens: int = 0
     residents: dict[str, RoutedRequest] = field(default_factory=dict)
-    num_own_tier: int = 0  # residents of its own tier (the rest were promoted onto it)
+    # residents by tier index, tiers with none left out: the tightest tier among them is the least key
+    residents_per_tier: Counter[int] = field(default_factory=Counter)
     kv_tokens: int = 0  # context tokens of the residents: prompt + output so far
     load: float = 0.0  # predicted iteration time of the current batch (every resident decoding)
     iteration_end: float = 0.0  # predicted end of the iteration in flight
@@ -72,6 +76,11 @@ class InstanceView:
 
     def __post_init__(self, output_lengths: OutputLengthTracker):
         self.summary = ResidentSummary(self.residents.values(), output_lengths)
+
+    @property
+    def num_own_tier(self) -> int:
+        """Residents of its own tier (the rest were promoted onto it); none while it has no tier."""
+        return self.residents_per_tier[self.tier] if self.tier is not None else 0
 
     def tightest_resident_tpot_ms(self) -> float:
         return min((r.slo.tpot_ms for r in self.residents.values()), default=float("inf"))

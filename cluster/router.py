@@ -1,5 +1,10 @@
 """The fleet router: places requests on instances by SLO tier, as a pure policy object (DESIGN.md §2 for the
-policy, the baselines "random", "round-robin" and "least-loaded", and scale-down).
+policy and scale-down).
+
+Beside PolyServe ("polyserve"), baselines that ignore tiers (no tier labels, no scale-up, promotion or release):
+"random", "round-robin", "least-loaded" and "lmetric" place at once on a serving instance; "least-loaded-admission"
+places on the least-loaded instance that passes PolyServe's attainability test, and otherwise queues as PolyServe
+does.
 
 No clock, no sockets: every method takes `now` (seconds on a monotonic clock the caller keeps) and returns what it
 decided, so the live service (cluster/service.py) and the fleet simulator drive the very same object. The caller
@@ -21,18 +26,21 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from cluster.autoscaler import Autoscaler
 from cluster.fleet import Fleet, InstanceStatus, InstanceView, RoutedRequest
 from cluster.protocol import Resident
 from scheduler.attainability import Attainability, AttainabilityChecker
 from scheduler.instance_state import InstanceState, RequestSnapshot
+from scheduler.headroom import Headroom
 from scheduler.latency_model import LatencyModel
+from scheduler.online_fit import OnlineLatencyModel
 from scheduler.output_length import OutputLengthTracker
 from scheduler.tiers import TierSet
+from scheduler.types import StepStats
 
-POLICIES = ("polyserve", "random", "round-robin", "least-loaded")
+POLICIES = ("polyserve", "random", "round-robin", "least-loaded", "least-loaded-admission", "lmetric")
 PROMOTIONS = ("lazy", "before-scale-up", "none", "eager")
 
 
@@ -80,6 +88,7 @@ class InstanceReport:
     iteration_end: float  # when the reported step ended, on the router's clock
     num_blocks_used: int
     residents: Iterable[Resident]  # each resident's progress after the step
+    steps: Sequence[StepStats] = ()  # the steps measured since the instance's last report, oldest first
 
 
 class Router:
@@ -87,7 +96,12 @@ class Router:
                  autoscaler: Autoscaler | None = None, queue_limit: int = 256, max_prefill_chunk: int = 2048,
                  expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000,
                  gradient: bool = True, promotion: str = "lazy"):
-        """`gradient` and `promotion` are PolyServe's ablations: gradient=False tries a tier's least-loaded
+        """`latency_model` is where the router's predictions start: it refines them from the steps the instances
+        report (`OnlineLatencyModel`), and holds each tier's instances to the tier's TPOT less a margin fed back
+        from its requests' outcomes (`Headroom`), as each engine does for its chunks (DESIGN.md §2, learning under
+        error).
+
+        `gradient` and `promotion` are PolyServe's ablations: gradient=False tries a tier's least-loaded
         instance first instead of its busiest; promotion "before-scale-up" tries the tighter tiers before the idle
         pool (the paper's order, DESIGN.md §2), "none" never places on a tighter tier, "eager" tries the tighter
         tiers (nearest first) before the request's own."""
@@ -98,11 +112,17 @@ class Router:
         self.gradient, self.promotion = gradient, promotion
         if queue_limit < 0:
             raise ValueError(f"queue_limit must be non-negative, got {queue_limit}")
-        self.tiers, self.model, self.policy, self.autoscaler = tiers, latency_model, policy, autoscaler
+        self.model = OnlineLatencyModel(latency_model, max_prefill_tokens=max_prefill_chunk)
+        self.tiers, self.policy, self.autoscaler = tiers, policy, autoscaler
         self.queue_limit, self.max_prefill_chunk = queue_limit, max_prefill_chunk
         self.output_lengths = OutputLengthTracker(expected_output_tokens)
-        self.checker = AttainabilityChecker(latency_model, self.output_lengths, max_prefill_chunk)
+        self.checker = AttainabilityChecker(self.model, self.output_lengths, max_prefill_chunk)
+        self.headroom = [Headroom() for _ in tiers]  # by the tier whose TPOT an instance is held to
         self.fleet = Fleet(len(tiers))
+        # one queue per tier under every policy: "least-loaded-admission" ignores tiers in placement only, and
+        # waiting as PolyServe's requests wait (the same bound per tier, retried tightest tier first, each tier in
+        # arrival order) keeps a comparison of the two about placement; a head that fits nowhere holds back its own
+        # tier only, not every request behind it
         self.queues: list[deque[RoutedRequest]] = [deque() for _ in tiers]
         self.requests: dict[str, RoutedRequest] = {}  # placed or queued
         self.events: deque[Event] = deque(maxlen=event_log)
@@ -159,7 +179,8 @@ class Router:
             req.num_computed_tokens = 0
             del self.requests[req.request_id]
         view.residents.clear()
-        view.num_own_tier = view.kv_tokens = 0
+        view.residents_per_tier.clear()
+        view.kv_tokens = 0
         view.summary.rebuild()
         self._log(now, "lost", None, instance_id, None)
         return lost
@@ -203,11 +224,17 @@ class Router:
         view = self.fleet.instances.get(instance_id)
         if view is None or view.status is InstanceStatus.DEAD:
             return
-        residents = view.residents
+        for step in report.steps:
+            self.model.observe(step)
+        residents, end = view.residents, report.iteration_end
         for r in report.residents:
             req = residents.get(r.request_id)
             if req is not None:
                 out = r.num_output_tokens
+                if out > req.num_output_tokens:  # its newest token came out as the step ended
+                    headroom = self.headroom[self._held_to(view, req)]
+                    req.standing = headroom.note_token(req.standing, req.num_output_tokens == 0,
+                                                       end > req.first_token_due + (out - 1) * req.tpot_s)
                 req.num_output_tokens = out
                 req.num_computed_tokens = min(r.num_computed_tokens, req.num_prompt_tokens + out)
         view.num_blocks_used = report.num_blocks_used
@@ -219,14 +246,18 @@ class Router:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        view = self.fleet.instances.get(req.instance_id) if req.instance_id is not None else None
         if completed:
             self.output_lengths.observe(req.tier, num_output_tokens)
-        view = self.fleet.instances.get(req.instance_id) if req.instance_id is not None else None
+            if view is not None:
+                self.headroom[self._held_to(view, req)].note_finished(req.standing)
         if view is None:
             return
         if view.residents.pop(request_id, None) is not None:
-            if req.tier_index == view.tier:
-                view.num_own_tier -= 1
+            per_tier = view.residents_per_tier
+            per_tier[req.tier_index] -= 1
+            if not per_tier[req.tier_index]:
+                del per_tier[req.tier_index]
             view.summary.remove(req)
             view.kv_tokens -= req.num_prompt_tokens + req.num_output_tokens
             self._update_load(view)
@@ -266,20 +297,23 @@ class Router:
 
     # ---- placement -------------------------------------------------------------------------------------------
     def _place(self, req: RoutedRequest, now: float) -> tuple[InstanceView, How] | None:
-        if self.policy != "polyserve":
-            view = self._baseline_choice()
+        if self.policy not in ("polyserve", "least-loaded-admission"):
+            view = self._baseline_choice(req)
             return None if view is None else (view, How.BASELINE)
         snap = req.snapshot(now if req.late else req.arrival)
+        if self.policy == "least-loaded-admission":
+            view = self._least_loaded_attaining(req, snap, now)
+            return None if view is None else (view, How.BASELINE)
         before_scale_up, after_scale_up = self._tier_orders[req.tier_index]
         return self._place_in(before_scale_up, req, snap, now) or self._scale_up(req, snap, now) \
             or self._place_in(after_scale_up, req, snap, now)
 
     def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot,
                   now: float) -> tuple[InstanceView, How] | None:
-        fits, tpots, members = self.checker.fits, self._tier_tpot_ms, self.fleet.members
+        fits, members = self.checker.fits, self.fleet.members
         ready = InstanceStatus.READY
         for tier in tiers:
-            tpot = tpots[tier]
+            tpot = self._budget_ms(tier)
             for view in sorted(members[tier], key=_load, reverse=self.gradient):
                 if view.status is ready and fits(view.summary, view.kv_capacity_tokens, view.iteration_end, tpot,
                                                  snap, now):
@@ -289,14 +323,36 @@ class Router:
     def _scale_up(self, req: RoutedRequest, snap: RequestSnapshot, now: float) -> tuple[InstanceView, How] | None:
         if self.autoscaler is not None and not self.autoscaler.can_join(self.fleet, req.tier_index):
             return None
-        tpot = self._tier_tpot_ms[req.tier_index]
+        tpot, budget = self._tier_tpot_ms[req.tier_index], self._budget_ms(req.tier_index)
         for view in sorted(self.fleet.idle, key=lambda v: len(v.residents)):  # empty ones first
             if view.tightest_resident_tpot_ms() >= tpot and self.checker.fits(
-                    view.summary, view.kv_capacity_tokens, view.iteration_end, tpot, snap, now):
+                    view.summary, view.kv_capacity_tokens, view.iteration_end, budget, snap, now):
                 return view, How.SCALED_UP
         return None
 
-    def _baseline_choice(self) -> InstanceView | None:
+    def _least_loaded_attaining(self, req: RoutedRequest, snap: RequestSnapshot,
+                                now: float) -> InstanceView | None:
+        """The least-loaded serving instance that can attain `req` (instance order on a tie). Each is held to the
+        TPOT of the tightest tier among its residents and `req`, as PolyServe holds an instance to its tier's TPOT
+        (a tier's residents being of that tier or looser ones promoted onto it)."""
+        fits, own = self.checker.fits, req.tier_index
+        ready = InstanceStatus.READY
+        for view in sorted((v for v in self.fleet.instances.values() if v.status is ready), key=_load):
+            tightest = min(view.residents_per_tier, default=own)
+            budget = self._budget_ms(tightest if tightest < own else own)
+            if fits(view.summary, view.kv_capacity_tokens, view.iteration_end, budget, snap, now):
+                return view
+        return None
+
+    def _baseline_choice(self, req: RoutedRequest) -> InstanceView | None:
+        """The instance a baseline that places at once picks (None while none serves).
+
+        "lmetric": LMetric (Zhang et al., "LMetric: Simple is Better - Multiplication May Be All You Need for LLM
+        Request Scheduling", arXiv 2603.15202) scores an instance by the product of two indicators, the new prefill
+        tokens if the request is routed to it (KV-cache aware) and its current batch size (load balancing aware),
+        and takes the lowest. Here the first is the request's prompt, none of which the router can know to be cached
+        (it sees no prompt contents), and the batch size the instance's residents; ties go to the lower load, then
+        instance order."""
         serving = [v for v in self.fleet.instances.values() if v.status is InstanceStatus.READY]
         if not serving:
             return None
@@ -305,6 +361,9 @@ class Router:
         if self.policy == "round-robin":
             self._round_robin += 1
             return serving[self._round_robin % len(serving)]
+        if self.policy == "lmetric":
+            new_prefill_tokens = req.num_prompt_tokens
+            return min(serving, key=lambda v: (new_prefill_tokens * len(v.residents), v.load))
         return min(serving, key=_load)
 
     def _on_time_possible(self, req: RoutedRequest, now: float) -> bool:
@@ -324,8 +383,7 @@ class Router:
         req.num_computed_tokens = req.num_output_tokens = 0
         view.residents[req.request_id] = req
         view.summary.add(req)
-        if req.tier_index == view.tier:
-            view.num_own_tier += 1
+        view.residents_per_tier[req.tier_index] += 1
         view.kv_tokens += req.num_prompt_tokens
         self._update_load(view)
         self.requests[req.request_id] = req
@@ -333,7 +391,6 @@ class Router:
 
     def _join(self, view: InstanceView, tier: int, now: float) -> None:
         view.tier, view.since = tier, now
-        view.num_own_tier = sum(1 for r in view.residents.values() if r.tier_index == tier)
         self.fleet.members[tier].append(view)
 
     def _unlabel(self, view: InstanceView) -> None:
@@ -363,9 +420,20 @@ class Router:
         summary = view.summary
         summary.rebuild()
         if view.tier is not None:
-            summary.decode_chunk(self.model, self._tier_tpot_ms[view.tier] / 1000.0, self.max_prefill_chunk)
+            summary.decode_chunk(self.model, self._budget_ms(view.tier) / 1000.0, self.max_prefill_chunk)
         view.kv_tokens = summary.kv_residents
         self._update_load(view)
+
+    def _budget_ms(self, tier: int) -> float:
+        """The TPOT an instance held to `tier`'s is packed to: the tier's, less its headroom."""
+        return self.headroom[tier].budget_ms(self._tier_tpot_ms[tier])
+
+    def _held_to(self, view: InstanceView, req: RoutedRequest) -> int:
+        """The tier whose TPOT (and headroom) `view` is held to while it hosts `req`: its tier label; without one
+        (the baselines, or an instance back in the idle pool), the tightest tier among its residents."""
+        if view.tier is not None:
+            return view.tier
+        return min(view.residents_per_tier, default=req.tier_index)
 
     def _update_load(self, view: InstanceView) -> None:
         """Load: the predicted iteration of the instance's residents, every one decoding at its current context."""

@@ -26,6 +26,7 @@ from engine.engine import InvalidRequestError, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.serving import NoInstanceError, QueueFullError
 from scheduler.slo import SLO
+from scheduler.types import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +235,10 @@ class RouterService:
                 s.text += d.text
                 s.outputs.put_nowait(s.output(d.token_ids, d.text))
         elif isinstance(msg, p.StepReport):
+            step = StepStats(msg.start, msg.duration, msg.num_prefill_tokens, msg.num_decode_seqs, msg.num_kv_tokens,
+                             msg.num_blocks_used, msg.num_running, msg.num_waiting, msg.num_seqs)
             self.router.on_report(instance_id, InstanceReport(link.to_router_clock(msg.start + msg.duration),
-                                                              msg.num_blocks_used, msg.residents), now)
+                                                              msg.num_blocks_used, msg.residents, (step,)), now)
             if self.metrics is not None:
                 self.metrics.observe_step(instance_id, msg.duration, msg.num_blocks_used / max(1, msg.num_total_blocks),
                                           msg.num_running, msg.num_waiting)

@@ -250,7 +250,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    engine = build_engine(EngineConfig.from_args(args))
+    engine = build_engine(EngineConfig.from_args(args), instance_id=args.instance_id)
     worker = Worker(engine, instance_id=args.instance_id, heartbeat_s=args.heartbeat_s, parent_pid=args.parent_pid)
     port = await worker.start(args.host, args.port)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from scheduler.latency_model import LatencyModel, scaled
 from scheduler.policy import BATCH_POLICIES
+from scheduler.prediction_error import EXACT, PREDICTION_ERRORS, prediction_error
 from scheduler.profile_table import ProfileTable
 from scheduler.roofline import emulated_latency_model, kv_blocks_for_gpu
 from scheduler.tiers import DEFAULT_TIERS, TierSet, parse_tiers
@@ -28,7 +29,8 @@ class EngineConfig:
     device: str = _flag("torch device: cpu, cuda, cuda:N", default="cpu")
     dtype: str | None = _flag("weights and KV dtype (default: the checkpoint's own on CUDA, float32 on the CPU)", str,
                               DTYPES, default=None)
-    executor: str = _flag("model: run the model; emulated: run none, sleep the latency model's step time",
+    executor: str = _flag("model: run the model; emulated: run none, sleep the latency model's step time (under "
+                          "prediction_error)",
                           choices=EXECUTORS, default="model")
     block_size: int = _flag("KV cache block size in tokens (a power of two)", default=16)
     num_kv_blocks: int | None = _flag("KV blocks (default: what kv_cache_memory or gpu_memory_utilization holds; "
@@ -51,6 +53,10 @@ class EngineConfig:
     latency_profile: str | None = _flag("latency profile JSON (bench.profile; scheduler/profiles/): the step time "
                                         "of an emulated engine and the prior of every prediction", str, default=None)
     time_scale: float = _flag("every predicted (and emulated) step time times this", default=1.0)
+    prediction_error: str = _flag("emulated: how the slept step time departs from the prediction (host time, bias, "
+                                  "noise, stalls; scheduler/prediction_error.py), unknown to every predictor",
+                                  choices=tuple(PREDICTION_ERRORS), default="exact")
+    step_seed: int = _flag("emulated: seed of the slept step time's noise, stalls and instance bias", default=0)
     tier_set: TierSet = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -72,6 +78,9 @@ class EngineConfig:
             raise ValueError(f"max_prefill_chunk must lie in [1, max_num_batched_tokens], got {self.max_prefill_chunk}")
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
+        if prediction_error(self.prediction_error) != EXACT and self.executor != "emulated":
+            raise ValueError(f"prediction_error {self.prediction_error!r} applies to the emulated executor only: a "
+                             f"model engine's step time is measured")
         self.tier_set = parse_tiers(self.tiers, self.default_tier)
 
     @property

@@ -20,9 +20,10 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Detokenizer, Tokenizer
 from scheduler.attainability import AttainabilityChecker
+from scheduler.headroom import Headroom
 from scheduler.latency_model import LearningLatencyModel
 from scheduler.output_length import OutputLengthTracker
-from scheduler.slo import SLO
+from scheduler.slo import SLO, next_token_deadline
 from scheduler.types import BatchPolicy, KvState, StepStats, is_decode
 
 StepHook = Callable[[StepStats], None]
@@ -58,8 +59,10 @@ class Engine:
     """Owns the requests, the block manager, the batch policy and an executor. Single-threaded: one caller steps it."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, executor: Executor, policy: BatchPolicy,
-                 tokenizer: Tokenizer | None, latency_model: LearningLatencyModel, *, clock=time.monotonic,
-                 stats_history: int = 4096):
+                 tokenizer: Tokenizer | None, latency_model: LearningLatencyModel, *, headroom: Headroom | None = None,
+                 clock=time.monotonic, stats_history: int = 4096):
+        """`headroom`: the margin the batch policy plans with (`build_engine` hands the same one to both); the
+        engine feeds it the outcome of every request."""
         self.config, self.executor, self.policy, self.tokenizer = config, executor, policy, tokenizer
         self.tiers = config.tier_set
         self.block_size = config.block_size
@@ -70,6 +73,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         # The engine alone feeds the latency model, once per step; the policy and the admission test predict by it.
         self.latency_model = latency_model
+        self.headroom = headroom or Headroom()
         self.output_lengths = OutputLengthTracker(default_mean=min(256, self.max_model_len))
         self.attainability = AttainabilityChecker(latency_model, self.output_lengths, config.prefill_chunk)
         self.iteration_end = 0.0  # predicted end of the step in flight
@@ -175,7 +179,7 @@ class Engine:
         num_prefill = int(new.sum()) - num_decode
         num_kv = int(meta.seq_lens.sum())
         batch = StepBatch(meta, [r.params for r in sampled], [r.generator for r in sampled],
-                          num_prefill, num_decode, num_kv)
+                          num_prefill, num_decode, num_kv, len(items))
         self.iteration_end = start + self.latency_model.predict(num_prefill, num_decode, num_kv)
         try:
             tokens, logprobs = self.executor.execute(batch)
@@ -239,6 +243,8 @@ class Engine:
             self._enqueue(req)
 
     def _append_token(self, req: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
+        req.standing = self.headroom.note_token(req.standing, req.num_output_tokens == 0,
+                                                now > next_token_deadline(req))
         req.append_output(token, now)
         if logprob is not None and req.params.logprobs:
             req.output_logprobs.append(logprob)
@@ -262,6 +268,7 @@ class Engine:
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         if reason in ("stop", "length"):
             self.output_lengths.observe(req.tier, req.num_output_tokens)
+            self.headroom.note_finished(req.standing)
         self.blocks.remove_sequence(req.seq_id)
         req.num_blocks = req.num_computed_tokens = 0
         del self.requests[req.request_id]

@@ -20,6 +20,7 @@ class StepBatch:
     num_prefill_tokens: int
     num_decode_seqs: int
     num_kv_tokens: int
+    num_seqs: int  # sequences in the batch, prefills included
 
 
 class Executor(Protocol):
@@ -30,12 +31,12 @@ class Executor(Protocol):
     def execute(self, batch: StepBatch) -> tuple[list[int], list[float] | None]: ...
 
 
-StepTimeFn = Callable[[int, int, int], float]  # (prefill tokens, decode seqs, kv tokens) -> seconds
+StepTimeFn = Callable[[int, int, int, int], float]  # (prefill tokens, decode seqs, kv tokens, sequences) -> seconds
 
 
 class EmulatedExecutor:
     """Deterministic tokens (a function of the last token and its position, never an end-of-sequence id) after
-    sleeping `step_time(prefill tokens, decode seqs, kv tokens)` seconds."""
+    sleeping `step_time(prefill tokens, decode seqs, kv tokens, sequences)` seconds."""
 
     def __init__(self, step_time: StepTimeFn, num_kv_blocks: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  sleep: Callable[[float], None] = time.sleep):
@@ -46,7 +47,7 @@ class EmulatedExecutor:
 
     def execute(self, batch: StepBatch) -> tuple[list[int], list[float] | None]:
         meta = batch.meta
-        delay = self.step_time(batch.num_prefill_tokens, batch.num_decode_seqs, batch.num_kv_tokens)
+        delay = self.step_time(batch.num_prefill_tokens, batch.num_decode_seqs, batch.num_kv_tokens, batch.num_seqs)
         last = meta.input_ids[meta.logits_indices]
         pos = meta.positions[meta.logits_indices]
         tokens = []

@@ -13,27 +13,34 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from scheduler import A100_SXM, H100_SXM, H200_SXM, GpuSpec, LatencyModel, ModelShape, OnlineLatencyModel, \
     RooflineLatencyModel
+from scheduler.headroom import Headroom
 from scheduler.policy import make_batch_policy
+from scheduler.prediction_error import StepTruth, prediction_error
 from scheduler.slo import SLO
 from scheduler.types import BatchPolicy
 
 
 def build_engine(config: EngineConfig, policy: BatchPolicy | None = None, latency_model: LatencyModel | None = None,
-                 step_time: StepTimeFn | None = None) -> Engine:
+                 step_time: StepTimeFn | None = None, instance_id: str = "") -> Engine:
     """An engine for `config`.
 
     Its latency model starts from `latency_model`, else the step time the config names
     (`EngineConfig.known_latency_model`), else a roofline estimate for the device and model, and the engine refines
     it online from its measured steps; the batch policy (`config.batch_policy` unless `policy` is given) and the
-    admission test predict by it. The emulated executor sleeps `step_time` per step, by default that starting
-    model's prediction.
+    admission test predict by it, and the policy plans with the headroom the engine feeds from its requests'
+    outcomes. The emulated executor sleeps `step_time` per step, by default the true step time
+    of that starting model under `config.prediction_error` (scheduler/prediction_error.py), which nothing that
+    predicts sees; its randomness is seeded by `config.step_seed` and `instance_id`, so the engines of a fleet
+    started with the same flags differ as distinct GPUs do.
     """
     model_cfg = ModelConfig.from_folder(config.model or default_model_path())
     tokenizer = Tokenizer.of_folder(model_cfg.path)
     known = latency_model or config.known_latency_model()
     if config.executor == "emulated":
-        executor = EmulatedExecutor(step_time or known.predict, config.kv_blocks, model_cfg.vocab_size,
-                                    model_cfg.eos_token_ids)
+        if step_time is None:
+            truth = StepTruth(known, prediction_error(config.prediction_error), f"{config.step_seed}/{instance_id}")
+            step_time = truth.duration
+        executor = EmulatedExecutor(step_time, config.kv_blocks, model_cfg.vocab_size, model_cfg.eos_token_ids)
         dtype_bytes = 2
     else:
         from engine.model_runner import ModelRunner  # torch model code only where a model runs
@@ -44,10 +51,11 @@ def build_engine(config: EngineConfig, policy: BatchPolicy | None = None, latenc
     online = OnlineLatencyModel(prior, max_prefill_tokens=config.max_num_batched_tokens,
                                 max_decode_seqs=config.max_num_seqs,
                                 max_kv_tokens=executor.num_kv_blocks * config.block_size)
+    headroom = Headroom()
     if policy is None:
         policy = make_batch_policy(config.batch_policy, online, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk)
-    return Engine(config, model_cfg, executor, policy, tokenizer, online)
+                                   config.prefill_chunk, headroom)
+    return Engine(config, model_cfg, executor, policy, tokenizer, online, headroom=headroom)
 
 
 # A rough prior for a CPU (a few tens of GB/s, a few hundred GFLOP/s); the online fit replaces it within steps.

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
+from scheduler.headroom import ON_TIME
 from scheduler.slo import SLO, deadline_terms
 
 
@@ -42,6 +43,7 @@ class Request:
     num_tokens: int = field(init=False)
     first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
     tpot_s: float = field(init=False)
+    standing: int = ON_TIME  # on time so far, or how it first went late (`scheduler.headroom`)
 
     def __post_init__(self):
         self.num_prompt_tokens = self.num_tokens = len(self.prompt_token_ids)

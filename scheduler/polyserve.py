@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from scheduler.chunking import largest_chunk
+from scheduler.headroom import Headroom
 from scheduler.latency_model import LatencyModel
 from scheduler.slo import next_token_deadline
 from scheduler.types import KvState, SchedulableRequest, StepPlan, blocks_needed, is_decoding
@@ -14,7 +15,10 @@ class PolyServePolicy:
     1. Every running decode gets its token. If KV blocks run short, the running requests with the most slack
        (next-token deadline - now) are preempted until the rest fit: the ones closest to missing keep their KV.
     2. Budget: the tightest per-token budget among the decodes, max(next-token deadline - now, tpot) each (a late
-       request is not allowed to shrink the budget below its own TPOT, or one late token would stall prefill).
+       request is not allowed to shrink the budget below its own TPOT, or one late token would stall prefill),
+       planned against the SLO shrunk by the headroom's margin m: deadline arrival + (1 - m) (ttft + k tpot), floor
+       (1 - m) tpot. A prediction is not a measurement: each token then gains m tpot on its true deadline, a
+       reserve that grows with the output, and what a slow step or a stall costs comes out of it.
        Requests still in prefill emit no token this step, so they set no per-token budget: their deadline orders
        the chunks instead (3).
     3. Prefill chunks, running ones and waiting ones alike, in order of the deadline of the token each emits next
@@ -26,7 +30,8 @@ class PolyServePolicy:
     """
 
     def __init__(self, latency_model: LatencyModel, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int | None = None):
+                 max_prefill_chunk: int | None = None, headroom: Headroom | None = None):
+        """`headroom`: the margin its owner keeps current from measured outcomes (None: plan to the full budget)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if max_num_seqs > max_num_batched_tokens:
@@ -38,6 +43,7 @@ class PolyServePolicy:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
+        self.headroom = headroom
 
     def schedule(self, now: float, running: Sequence[SchedulableRequest],
                  waiting: Sequence[SchedulableRequest], kv: KvState) -> StepPlan:
@@ -60,9 +66,12 @@ class PolyServePolicy:
 
         budget_s = float("inf")
         kv_tokens = 0
+        margin = self.headroom.margin if self.headroom is not None else 0.0
+        keep = 1.0 - margin
         for req in decodes:
-            tpot_s = req.tpot_s
-            slack = next_token_deadline(req) - now
+            tpot_s = req.tpot_s * keep
+            deadline = next_token_deadline(req)
+            slack = deadline - now - margin * (deadline - req.arrival)
             if slack < tpot_s:
                 slack = tpot_s
             if slack < budget_s:

@@ -66,3 +66,20 @@ def default_model():
     from engine.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def h200_fleet():
+    """The H200 profile of Llama-3.1-8B, its default tiers, and workloads of the conversation trace for a fleet of
+    the simulator's default deployment."""
+    from cluster.sim.simulator import SimConfig
+    from cluster.sim.workload import WorkloadFactory, default_tiers, load_trace
+    from scheduler.build_profiles import PROFILE_DIR
+    from scheduler.profile_table import ProfileTable
+
+    model = ProfileTable.load(PROFILE_DIR / "llama-3.1-8b_h200.json")
+    tiers = default_tiers(model)
+    cfg = SimConfig(num_instances=4)
+    factory = WorkloadFactory(load_trace("azure2023_conv"), tiers, model, cfg.kv_blocks * cfg.block_size,
+                              cfg.max_prefill_chunk)
+    return model, tiers, factory

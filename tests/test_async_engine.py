@@ -11,7 +11,7 @@ from engine import EngineConfig, InvalidRequestError, LLM, SamplingParams, build
 from engine.async_engine import AsyncEngine
 
 
-def step_time(prefill: int, decodes: int, kv: int) -> float:
+def step_time(prefill: int, decodes: int, kv: int, seqs: int) -> float:
     return 0.002 + 1e-5 * prefill + 1e-4 * decodes
 
 
@@ -30,9 +30,10 @@ def test_emulated_executor_sleeps_the_given_step_time_and_is_deterministic(llama
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 20 for o in a)  # emulated tokens never end a sequence early
     stats = list(llm.engine.step_stats)[:20]
-    expected = sum(step_time(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens) for s in stats)
+    expected = sum(step_time(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens, s.num_seqs) for s in stats)
     assert expected <= elapsed < expected + 0.5
-    assert all(s.duration >= step_time(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens) for s in stats)
+    assert all(s.duration >= step_time(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens, s.num_seqs)
+               for s in stats)
 
 
 def test_stream_tokens_as_they_are_produced(emulated):

@@ -19,6 +19,7 @@ from scheduler.chunking import largest_chunk
 from scheduler.instance_state import InstanceState, ResidentSummary
 from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import Tier, TierSet
+from scheduler.types import StepStats
 from test_scheduler_attainability import reference_check
 
 MODEL = emulated_latency_model()
@@ -288,14 +289,15 @@ def test_a_report_prepares_the_next_scan_and_joins_and_leaves_still_show(monkeyp
     router.on_report("a", InstanceReport(1.0, 0, [Resident(r.request_id, 1000, 1001, 1) for r in reqs]), 1.0)
     # the decodes' chunk already found at the report
     summary = view.summary
-    budget = TIERS[STD].tpot_ms / 1000.0
+    budget = TIERS[STD].tpot_ms / 1000.0  # no miss yet: no headroom taken
     calls = []
-    original = MODEL.predict
-    monkeypatch.setattr(MODEL, "predict", lambda *a: calls.append(a) or original(*a))
+    model = router.model
+    original = model.predict
+    monkeypatch.setattr(model, "predict", lambda *a: calls.append(a) or original(*a))
     cap = router.max_prefill_chunk
-    chunk, _ = summary.decode_chunk(MODEL, budget, cap)
+    chunk, _ = summary.decode_chunk(model, budget, cap)
     assert not calls and summary.num_decoding == 2
-    assert 0 < chunk == largest_chunk(MODEL, budget, 2, summary.kv_decoding, cap)
+    assert 0 < chunk == largest_chunk(model, budget, 2, summary.kv_decoding, cap)
     r = request("x", STD, 1.0)
     assert router.checker.check(state(router, "a", 50), r.snapshot(1.0), 1.0) == \
         reference_check(router.checker, state(router, "a", 50), r.snapshot(1.0), 1.0)
@@ -305,6 +307,72 @@ def test_a_report_prepares_the_next_scan_and_joins_and_leaves_still_show(monkeyp
     d = router.submit(r, 1.2)
     assert (d.instance_id, d.how) == ("a", How.OWN)
     assert (summary.num_residents, summary.num_decoding, summary.ahead(2.2)) == (2, 1, (1, 1000))
+
+
+def test_the_router_learns_step_times_from_reports():
+    """Steps that take 25 % longer than the model says, plus 1 ms of host time: after some reports the router
+    predicts them, in its load and in its attainability test alike."""
+    router = make_router()
+    ready(router, "a")
+    reqs = fill(router, "a", STD, 2)
+    rng = random.Random(5)
+    for i in range(300):
+        p, d = rng.choice([0, 0, 256, 1024]), rng.randint(1, 200)
+        k = d * rng.randint(200, 2000) + p
+        truth = 1.25 * MODEL.predict(p, d, k) + 0.001
+        router.on_report("a", InstanceReport(i * 0.1, 0, [], [StepStats(i * 0.1, truth, p, d, k, 0, 0, 0, d)]),
+                         i * 0.1)
+    for p, d, k in [(0, 64, 64 * 1500), (512, 32, 32 * 800 + 512), (0, 150, 150 * 1800)]:
+        assert router.model.predict(p, d, k) == pytest.approx(1.25 * MODEL.predict(p, d, k) + 0.001, rel=0.02)
+    router.on_report("a", InstanceReport(31.0, 0, [Resident(r.request_id, 1000, 1000, 0) for r in reqs]), 31.0)
+    view = router.fleet["a"]
+    assert view.load == pytest.approx(1.25 * MODEL.predict(0, 2, view.kv_tokens) + 0.001, rel=0.02)
+    assert router.checker.model is router.model
+
+
+def test_headroom_counts_late_tokens_after_an_on_time_first_one():
+    router = make_router()
+    ready(router, "a")
+    on_time_start, late_start = fill(router, "a", STD, 2)  # std: first token within 1 s, then one per 50 ms
+    headroom = router.headroom[STD]
+
+    def report(t, outputs):
+        router.on_report("a", InstanceReport(t, 0, [Resident(r.request_id, 1000, 1000 + n - 1, n)
+                                                    for r, n in outputs]), t)
+
+    report(0.5, [(on_time_start, 1), (late_start, 0)])
+    assert headroom.margin == 0.0
+    report(1.2, [(on_time_start, 2), (late_start, 1)])  # token 2 was due at 1.05 s; the other's first at 1.0 s
+    assert headroom.margin == pytest.approx(headroom.step) and headroom.num_missed == 1
+    report(1.3, [(on_time_start, 3), (late_start, 2)])  # each request counts once; a late start never
+    assert headroom.num_missed == 1
+    router.on_finished(late_start.request_id, 2, 1.3)
+    assert headroom.num_attained == 0
+    third = request("third", STD, 1.3)
+    assert router.submit(third, 1.3).instance_id == "a"
+    report(1.5, [(on_time_start, 4), (third, 1)])
+    router.on_finished(third.request_id, 1, 1.5)
+    assert headroom.num_attained == 1 and headroom.margin < headroom.step
+
+
+def test_an_instance_is_packed_to_its_tier_tpot_less_the_headroom():
+    def placed_on_one_instance(router, tiers) -> int:
+        ready(router, "a", capacity=10**6)
+        n = 0
+        while router.submit(request(f"r{n}", 0, prompt=100, tiers=tiers), 0.0).outcome is Outcome.PLACED:
+            n += 1
+        return n
+
+    tiers = TierSet([Tier("tight", 10.0, 2000), Tier("std", 50, 1000)])
+    full = placed_on_one_instance(make_router(tiers=tiers, queue_limit=1), tiers)
+    router = make_router(tiers=tiers, queue_limit=1)
+    for _ in range(30):
+        router.headroom[0].missed()
+    assert router.headroom[0].margin == pytest.approx(0.3)
+    packed = placed_on_one_instance(router, tiers)
+    # exactly what a tier of 7 ms with no headroom takes
+    seven = TierSet([Tier("tight", 7.0, 2000), Tier("std", 50, 1000)])
+    assert 0 < packed == placed_on_one_instance(make_router(tiers=seven, queue_limit=1), seven) < full
 
 
 def test_baselines_ignore_tiers():
@@ -322,6 +390,92 @@ def test_baselines_ignore_tiers():
     picks = {rnd.submit(request(f"r{i}", 0), 0.0).instance_id for i in range(30)}  # placed past any KV: no test
     assert picks == {"a", "b", "c"}
     assert all(v.tier is None for v in rnd.fleet.instances.values())
+
+
+def test_least_loaded_admission_takes_the_least_loaded_instance_that_attains():
+    router = make_router("least-loaded-admission")
+    ready(router, "a")
+    ready(router, "roomy", capacity=12_000)
+    # the least loaded first, instance order on a tie; "a", of 4000 tokens, holds three requests
+    placed = [router.submit(request(f"r{i}", i % 3), 0.0) for i in range(7)]
+    assert [d.instance_id for d in placed] == ["a", "roomy", "a", "roomy", "a", "roomy", "roomy"]
+    assert all(d.how is How.BASELINE for d in placed)
+    a, roomy = router.fleet["a"], router.fleet["roomy"]
+    assert a.load < roomy.load  # three residents against four
+    verdict = router.checker.check(state(router, "a", TIERS[TIGHT].tpot_ms), request("x", BATCH).snapshot(0.0), 0.0)
+    assert verdict.reason is Rejection.KV_CAPACITY
+    d = router.submit(request("x", BATCH), 0.0)  # "a" is tried first and cannot hold it
+    assert (d.outcome, d.instance_id, d.how) == (Outcome.PLACED, "roomy", How.BASELINE)
+    # tiers are ignored: no labels, no scale-up or promotion
+    assert a.tier is None and roomy.tier is None and not router.fleet.members[STD]
+    assert not router.counts["scaled_up"] and not router.counts["promoted"]
+
+
+def test_least_loaded_admission_holds_an_instance_to_its_tightest_resident_tpot():
+    # 100-token requests decoding: four predict 3.59 ms, five 3.60 ms, over the host tier's 3.6 ms TPOT
+    tiers = TierSet([Tier("host", 3.6, 500), Tier("std", 50, 1000)])
+    router = make_router("least-loaded-admission", tiers=tiers)
+    ready(router, "s")
+    for i in range(5):
+        assert router.submit(request(f"s{i}", 1, prompt=100, tiers=tiers), 0.0).instance_id == "s"
+    ready(router, "h")
+    for i, tier in enumerate((0, 1, 1, 1)):  # one host request among std ones
+        assert router.submit(request(f"h{i}", tier, prompt=100, tiers=tiers), 0.0).instance_id == "h"
+    for iid in ("s", "h"):
+        residents_now = router.fleet[iid].residents.values()
+        router.on_report(iid, InstanceReport(0.0, 0, [Resident(r.request_id, 100, 100, 1) for r in residents_now]),
+                         0.0)
+    assert router.fleet["h"].load < router.fleet["s"].load  # four residents against five
+    x = request("x", 1, prompt=100, tiers=tiers)
+    at_host = router.checker.check(state(router, "h", 3.6), x.snapshot(0.0), 0.0)
+    at_own = router.checker.check(state(router, "h", 50.0), x.snapshot(0.0), 0.0)
+    assert at_host.reason is Rejection.TPOT and at_own.ok  # "h" could take it but for its host resident
+    d = router.submit(x, 0.0)
+    assert (d.instance_id, d.how) == ("s", How.BASELINE)
+
+
+def test_least_loaded_admission_queues_per_tier_and_places_when_capacity_frees():
+    router = make_router("least-loaded-admission", queue_limit=2)
+    ready(router, "a", "b")
+    placed = [router.submit(request(f"r{i}", STD), 0.0).instance_id for i in range(6)]
+    assert placed == ["a", "b"] * 3  # both full
+    assert router.submit(request("q1", STD), 0.0).outcome is Outcome.QUEUED
+    assert router.submit(request("q2", STD), 0.0).outcome is Outcome.QUEUED
+    full = router.submit(request("q3", STD), 0.0)
+    assert full.outcome is Outcome.QUEUE_FULL and full.retry_after_s >= 1 and "q3" not in router.requests
+    # the bound is per tier, as PolyServe's
+    assert router.submit(request("t1", TIGHT), 0.0).outcome is Outcome.QUEUED
+    assert router.waiting_tiers() == [TIGHT, STD]
+    assert router.retry_queued(0.5) == []  # nothing freed: every head stays
+    router.on_finished("r1", 100, 1.0)  # leaves "b"
+    out = router.retry_queued(1.0)
+    # the tighter tier first: t1 takes the room b had; q1 then fits nowhere
+    assert [(p.request.request_id, p.instance_id, p.how) for p in out] == [("t1", "b", How.BASELINE)]
+    router.on_finished("r0", 100, 2.0)  # leaves "a"
+    out = router.retry_queued(2.0)
+    assert [(p.request.request_id, p.instance_id) for p in out] == [("q1", "a")]
+    assert router.queue_length(STD) == 1 and out[0].request.late  # its 1 s TTFT passed while it waited
+
+
+def test_lmetric_takes_the_smallest_product_of_new_prefill_and_batch_size():
+    router = make_router("lmetric")
+    ready(router, "few", "many")
+    # empty instances score 0: the lower load, then instance order
+    assert router.submit(request("long", STD, prompt=3000), 0.0).instance_id == "few"
+    assert router.submit(request("s1", STD, prompt=100), 0.0).instance_id == "many"  # 100 * 1 against 100 * 0
+    assert router.submit(request("s2", STD, prompt=100), 0.0).instance_id == "many"  # 100 * 1 each: the lower load
+    few, many = router.fleet["few"], router.fleet["many"]
+    # "few" holds one resident whose 3000-token prompt is still queued, "many" two of 100 tokens: least-loaded
+    # would take "many", the product (1000 * 1 against 1000 * 2) takes "few"
+    assert few.load > many.load
+    d = router.submit(request("x", BATCH), 0.0)
+    assert (d.outcome, d.instance_id, d.how) == (Outcome.PLACED, "few", How.BASELINE)
+    # two residents each: a tie on the product, and "many" is the less loaded
+    assert router.submit(request("y", TIGHT), 0.0).instance_id == "many"
+    # placed at once, with no attainability test: two residents against three take "few", its KV pool full
+    assert few.kv_tokens == CAPACITY
+    assert router.submit(request("z", STD), 0.0).instance_id == "few"
+    assert all(v.tier is None for v in router.fleet.instances.values())
 
 
 def test_autoscaler_plan():

@@ -117,3 +117,26 @@ def test_engine_makes_the_slo_concrete_once_at_admission(llama_tiny):
     with pytest.raises(InvalidRequestError, match="unknown tier"):
         engine.add_request("unknown", [1, 2], params, slo="gold")
     assert set(engine.requests) == {"none", "named", "own"}
+
+
+def test_engine_feeds_its_headroom_the_outcomes_its_policy_plans_with(llama_tiny):
+    """Steps four times slower than the engine's model: the tight request's first token is on time (60 ms of its
+    300), then every token falls 11 ms further behind its 30 ms budget and token 23 is late: a miss of packing.
+    The loose request keeps every deadline."""
+    clock = VirtualClock()
+    known = KnownLatency()
+    engine = build_engine(EngineConfig(model=llama_tiny[0], executor="emulated", num_kv_blocks=64),
+                          latency_model=known, step_time=lambda p, d, k, n: 4 * known.predict(p, d, k))
+    engine.executor.sleep, engine.clock = clock.advance, clock.now
+    assert engine.policy.headroom is engine.headroom and engine.headroom.margin == 0.0
+    engine.add_request("tight", list(range(1, 51)), SamplingParams(max_tokens=40, ignore_eos=True), slo=TIGHT,
+                       arrival=0.0)
+    while engine.has_unfinished():
+        engine.step()
+    assert (engine.headroom.num_missed, engine.headroom.num_attained) == (1, 0)
+    assert engine.headroom.margin == pytest.approx(engine.headroom.step)
+    engine.add_request("loose", list(range(1, 51)), SamplingParams(max_tokens=5, ignore_eos=True), slo=LOOSE,
+                       arrival=clock.t)
+    while engine.has_unfinished():
+        engine.step()
+    assert (engine.headroom.num_missed, engine.headroom.num_attained) == (1, 1)

@@ -30,7 +30,7 @@ class AffineStepTime:
 AFFINE = AffineStepTime()
 
 
-def step_time(num_prefill_tokens: int, num_decode_seqs: int, num_kv_tokens: int) -> float:
+def step_time(num_prefill_tokens: int, num_decode_seqs: int, num_kv_tokens: int, num_seqs: int) -> float:
     if num_prefill_tokens == PREFILL_FAILS:
         raise RuntimeError("injected prefill failure")
     if num_prefill_tokens == 0 and num_decode_seqs == 1 and num_kv_tokens == DECODE_FAILS[1]:

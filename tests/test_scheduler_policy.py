@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from scheduler.headroom import Headroom
 from scheduler.slo import deadline_terms
 from scheduler import SLO, EDFPolicy, FCFSPolicy, KvState, PolyServePolicy, StepPlan
 
@@ -87,6 +88,16 @@ def test_late_decode_budget_is_floored_at_its_tpot():
     running = decodes_with_slack([-5, 40, 60, 100])  # d0 is late: its budget is its tpot, 20 ms
     plan = policy().schedule(NOW, running, [queued("w", NOW, TPOT20, 3000)], ROOMY)
     assert chunks(plan)[-1] == ("w", 910)  # (20 - 10.804) / 0.0101 = 910.5
+
+
+def test_the_headroom_margin_shrinks_the_budget():
+    running = decodes_with_slack([-5, 40, 60, 100])  # budget 20 ms, less a quarter: 15 ms
+    headroom = Headroom(margin=0.25)
+    plan = policy(headroom=headroom).schedule(NOW, running, [queued("w", NOW, TPOT20, 3000)], ROOMY)
+    assert chunks(plan)[-1] == ("w", 415)  # (15 - 10.804) / 0.0101 = 415.4
+    headroom.margin = 0.0
+    assert chunks(policy(headroom=headroom).schedule(NOW, running, [queued("w", NOW, TPOT20, 3000)], ROOMY))[-1] \
+        == ("w", 910)
 
 
 def test_no_decodes_means_full_chunks_in_deadline_order():

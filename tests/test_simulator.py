@@ -13,14 +13,12 @@ import scheduler.fcfs
 import scheduler.polyserve
 from cluster.sim.calibration import replay_on_engine, write_emulated_model_folder
 from cluster.sim.simulator import SimConfig, Simulator
-from cluster.sim.workload import Workload, WorkloadFactory, default_tiers, load_trace
+from cluster.sim.workload import Workload
 from scheduler.attainability import AttainabilityChecker
 from scheduler.attainment import measure_request
 from scheduler.edf import EDFPolicy
 from scheduler.fcfs import FCFSPolicy
 from scheduler.polyserve import PolyServePolicy
-from scheduler.profile_table import ProfileTable
-from scheduler.build_profiles import PROFILE_DIR
 from scheduler.tiers import Tier, TierSet
 
 
@@ -50,7 +48,7 @@ def one_instance(model, policy_factory, num_kv_blocks=100_000, fast_forward=True
 
 
 def fcfs(budget=4096):
-    return lambda: FCFSPolicy(budget, 256)
+    return lambda model, headroom: FCFSPolicy(budget, 256)
 
 
 # ---- hand-computed cases: one instance, one tier, constant lengths --------------------------------------------
@@ -169,7 +167,7 @@ def test_same_emit_times_as_the_engine(policy, num_kv_blocks, model_folder):
     w = small_mixed_workload(seed=3)
     slo = w.tiers[1].slo
     engine = replay_on_engine(w, m, POLICIES[policy](m, slo), model_folder, num_kv_blocks, clock="virtual")
-    sim = one_instance(m, lambda: POLICIES[policy](m, slo), num_kv_blocks=num_kv_blocks, tiers=w.tiers)
+    sim = one_instance(m, lambda model, headroom: POLICIES[policy](m, slo), num_kv_blocks=num_kv_blocks, tiers=w.tiers)
     res = sim.run(w)
     assert res.served.all()
     for i, (mine, theirs) in enumerate(zip(res.token_times, engine.token_times)):
@@ -180,13 +178,8 @@ def test_same_emit_times_as_the_engine(policy, num_kv_blocks, model_folder):
 
 # ---- a fleet: the live system's objects, fast-forward, determinism --------------------------------------------
 @pytest.fixture(scope="module")
-def h200():
-    model = ProfileTable.load(PROFILE_DIR / "llama-3.1-8b_h200.json")
-    tiers = default_tiers(model)
-    cfg = SimConfig(num_instances=4)
-    factory = WorkloadFactory(load_trace("azure2023_conv"), tiers, model, cfg.kv_blocks * cfg.block_size,
-                              cfg.max_prefill_chunk)
-    return model, tiers, factory
+def h200(h200_fleet):
+    return h200_fleet
 
 
 def fleet_run(h200, seed=1, rate=70.0, duration=12.0, **kw):

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from cluster.sim.goodput import fluid_bound, search_goodput, tier_capacity
+from cluster.sim.goodput import EVERY_TIER, STRICT, fluid_bound, search_goodput, tier_capacity
 from cluster.sim.workload import (REFUSED, TierMix, Workload, WorkloadFactory, assign_tiers, default_tiers,
                                   load_trace, max_idle_prompts)
 from scheduler.attainability import AttainabilityChecker
@@ -116,15 +116,33 @@ def test_bad_inputs_named():
 
 # ---- goodput --------------------------------------------------------------------------------------------------
 def test_tier_capacity_by_hand():
-    """T(B) = a + b * B * P / D + c * B: the largest B with T(B) <= tpot is floor((tpot - a) / (b P / D + c))."""
+    """T(B) = a + b * B * P / D + c * B: the largest B with T(B) <= allowance is floor((allowance - a) / (b P / D + c)),
+    the allowance being the cumulative deadline's per-token average (ttft + (D - 1) * tpot) / D."""
     m = LinearModel(a=0.004, b=2e-5, c=5e-5)
     p, d, tpot = 1000.0, 200.0, 20.0
-    cap = tier_capacity(m, "t", tpot, p, d, kv_capacity_tokens=10**9, max_batch=10_000)
+    cap = tier_capacity(m, "t", tpot, tpot, p, d, kv_capacity_tokens=10**9, max_batch=10_000)  # allowance = tpot
     assert cap.batch == math.floor((0.020 - 0.004) / (2e-5 * 5 + 5e-5))  # 106
     assert cap.requests_per_s == pytest.approx(cap.batch / (d * m.predict(round(cap.batch * 5), cap.batch, 0)))
-    kv_bound = tier_capacity(m, "t", tpot, p, d, kv_capacity_tokens=50 * 1100, max_batch=10_000)
+    # a 1 s TTFT spread over 200 tokens: 24.9 ms per token on average
+    loose = tier_capacity(m, "t", tpot, 1000.0, p, d, kv_capacity_tokens=10**9, max_batch=10_000)
+    assert loose.batch == math.floor((0.0249 - 0.004) / 1.5e-4)  # 139
+    kv_bound = tier_capacity(m, "t", tpot, tpot, p, d, kv_capacity_tokens=50 * 1100, max_batch=10_000)
     assert kv_bound.batch == 50  # 50 * (1000 + 100) tokens fill the pool
-    assert tier_capacity(m, "t", 3.0, p, d, 10**9, 10_000).requests_per_s == 0.0  # below the fixed cost
+    assert tier_capacity(m, "t", 3.0, 3.0, p, d, 10**9, 10_000).requests_per_s == 0.0  # below the fixed cost
+
+
+class SlowPastFifty(LinearModel):
+    """A batch past 50 costs a fixed extra 12 ms (another kernel, say): the largest batch is not the best."""
+
+    def predict(self, p, d, k):
+        return super().predict(p, d, k) + (0.012 if d > 50 else 0.0)
+
+
+def test_tier_capacity_takes_the_best_batch_not_the_largest():
+    m = SlowPastFifty(a=0.004, b=0.0, c=5e-5)
+    cap = tier_capacity(m, "t", 20.0, 20.0, 1000.0, 200.0, 10**9, 10_000)
+    # 50 / 6.5 ms = 7692 tokens/s beats 80 / 20 ms = 4000 (the largest within 20 ms)
+    assert cap.batch == 50 and cap.requests_per_s == pytest.approx(50 / (200.0 * 0.0065))
 
 
 def test_fluid_bound_mixes_tiers_harmonically():
@@ -138,21 +156,61 @@ def test_fluid_bound_mixes_tiers_harmonically():
     assert bound.rate(10) == pytest.approx(10 / (0.25 / ca + 0.75 / cb))
 
 
-def test_search_finds_the_threshold():
+def test_a_rule_that_lets_requests_miss_is_bounded_without_its_costliest():
+    m = LinearModel(a=0.004, b=2e-5, c=5e-5)
+    tiers = TierSet([Tier("a", 20.0, 1000.0), Tier("b", 50.0, 2000.0)])
+    # tier a: nine 100-token outputs and one of 1000; tier b: twenty outputs of 100 to 2000 tokens
+    outputs = np.array([100] * 9 + [1000] + list(range(100, 2001, 100)), np.int64)
+    w = Workload(np.arange(30.0), np.full(30, 500, np.int64), outputs, np.array([0] * 10 + [1] * 20, np.int8), tiers)
+    full = fluid_bound(m, w, 10**9, 10_000)
+    every = fluid_bound(m, w, 10**9, 10_000, EVERY_TIER)
+    # every tier drops its costliest tenth: a's 1000-token request, b's two longest
+    assert [c.mean_output for c in every.tiers] == [100.0, pytest.approx(np.arange(100, 1801, 100).mean())]
+    assert every.shares == (9 / 30, 18 / 30)
+    assert every.rate(8) > full.rate(8)
+    # strict drops the costliest 1 % of all 30 requests: none (floor of 0.3)
+    assert fluid_bound(m, w, 10**9, 10_000, STRICT).rate(8) == pytest.approx(full.rate(8))
+
+
+def test_rules_score_the_worst_tier_or_the_pool():
+    tiers = {"a": 0.95, "b": 0.85}
+    assert EVERY_TIER.score(0.93, tiers) == 0.85 and not EVERY_TIER.passes(0.85)
+    assert STRICT.score(0.993, tiers) == 0.993 and STRICT.passes(0.993) and not STRICT.passes(math.nan)
+
+
+def test_search_finds_the_threshold_and_confirms_it():
     calls = []
 
-    def attainment(rate, seed):
+    def score(rate, seed):
         calls.append((rate, seed))
         return 0.95 if rate <= 123.0 else 0.5
 
-    found = search_goodput(attainment, seeds=(1, 2), low=50.0, high=100.0, rel_tol=0.01)
-    assert 123.0 / 1.01 <= found.goodput <= 123.0
+    found = search_goodput(score, seeds=(1, 2), low=50.0, high=100.0, rule=EVERY_TIER, rel_tol=0.01)
+    assert 123.0 / 1.01 <= found.goodput <= 123.0 < found.next_failing <= found.goodput * 1.01
+    assert found.confirmed
     assert {s for _, s in calls} == {1, 2} and len(calls) == 2 * len(found.probes)
     given_up = search_goodput(lambda r, s: 0.97 if r <= 80.0 else math.nan, seeds=(1,), low=50.0, high=100.0,
-                              rel_tol=0.01)  # NaN: a run stopped once certain to miss the target
-    assert 80.0 / 1.01 <= given_up.goodput <= 80.0
-    nothing = search_goodput(lambda r, s: 0.0, seeds=(1,), low=1.0, high=2.0, max_probes=4)
-    assert nothing.goodput == 0.0
+                              rule=EVERY_TIER, rel_tol=0.01)  # NaN: a run stopped once certain to miss the target
+    assert 80.0 / 1.01 <= given_up.goodput <= 80.0 and not given_up.confirmed  # one seed confirms nothing
+    nothing = search_goodput(lambda r, s: 0.0, seeds=(1,), low=1.0, high=2.0, rule=EVERY_TIER, max_probes=4)
+    assert nothing.goodput == 0.0 and not nothing.confirmed
+
+
+def test_search_needs_every_seed_and_ignores_a_pass_above_a_failure():
+    # seed 2 fails from 100 up, seed 1 passes everywhere: a rate passes only when both do
+    found = search_goodput(lambda r, s: 0.95 if s == 1 or r < 100.0 else 0.5, seeds=(1, 2), low=50.0, high=400.0,
+                           rule=EVERY_TIER, rel_tol=0.01)
+    assert 100.0 / 1.01 <= found.goodput < 100.0 and found.confirmed
+    # 120 fails, then 200 passes (a queue that refuses requests can score higher at a heavier load): the answer
+    # stays below the failure
+    failing = {120.0}
+
+    def scripted_map(fn, jobs):
+        return [0.5 if rate in failing else 0.95 for _, rate, _ in jobs]
+
+    found = search_goodput(lambda r, s: 0.0, seeds=(1, 2), low=50.0, high=120.0, rule=EVERY_TIER, rel_tol=0.2,
+                           width=2, map_fn=scripted_map)
+    assert found.goodput < 120.0 < found.next_failing + 1e-9
 
 
 def test_search_probes_several_rates_per_round():
@@ -166,7 +224,8 @@ def test_search_probes_several_rates_per_round():
     def attainment(rate, seed):
         return 0.95 if rate <= 123.0 else 0.5
 
-    found = search_goodput(attainment, seeds=(1, 2), low=50.0, high=200.0, rel_tol=0.01, width=3, map_fn=batch_map)
+    found = search_goodput(attainment, seeds=(1, 2), low=50.0, high=200.0, rule=EVERY_TIER, rel_tol=0.01, width=3,
+                           map_fn=batch_map)
     assert 123.0 / 1.01 <= found.goodput <= 123.0
     assert rounds[0] == [50.0, 200.0] and all(len(r) == 3 for r in rounds[1:])
     assert len(found.probes) == 2 + 3 * (len(rounds) - 1)
@@ -176,7 +235,7 @@ def test_search_probes_several_rates_per_round():
         assert rates == pytest.approx([lo * (hi / lo) ** (i / 4) for i in (1, 2, 3)])
         lo = max([lo] + [r for r in rates if r <= 123.0])
         hi = min([hi] + [r for r in rates if r > 123.0])
-    bisection = search_goodput(attainment, seeds=(1, 2), low=50.0, high=200.0, rel_tol=0.01)
+    bisection = search_goodput(attainment, seeds=(1, 2), low=50.0, high=200.0, rule=EVERY_TIER, rel_tol=0.01)
     assert len(rounds) < len(bisection.probes)  # fewer rounds than bisection's one probe per round
     with pytest.raises(ValueError, match="width"):
-        search_goodput(attainment, seeds=(1,), low=1.0, high=2.0, width=0)
+        search_goodput(attainment, seeds=(1,), low=1.0, high=2.0, rule=EVERY_TIER, width=0)

@@ -39,6 +39,7 @@ from engine.sampling_params import SamplingParams
 from engine.serving import freeze_startup_heap
 from scheduler.attainment import measure_request
 from scheduler.latency_model import LatencyModel
+from scheduler.prediction_error import EXACT, PredictionError, StepTruth
 from scheduler.roofline import LLAMA_3_1_8B, ModelShape
 from scheduler.types import BatchPolicy
 
@@ -96,11 +97,11 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
         raise ValueError(f"clock must be 'virtual' or 'real', got {clock!r}")
     virtual = _VirtualClock()
     if clock == "virtual":
-        def step_time(p: int, d: int, k: int) -> float:
+        def step_time(p: int, d: int, k: int, num_seqs: int) -> float:
             virtual.now += model.predict(p, d, k)
             return 0.0  # no sleep: the clock moved
     else:
-        step_time = model.predict
+        step_time = StepTruth(model, EXACT).duration
     config = EngineConfig(model=model_folder, executor="emulated", block_size=block_size, num_kv_blocks=num_kv_blocks,
                           enable_prefix_caching=False, max_num_seqs=1 << 20, max_num_batched_tokens=1 << 20)
     engine = build_engine(config, policy, step_time=step_time)
@@ -290,9 +291,8 @@ def host_time(stats, model: LatencyModel, gaps: list[float] = ()) -> tuple[float
 def simulated_with_host_time(config: SimConfig, tiers, model: LatencyModel, workload: Workload,
                              replay: EngineReplay | FleetReplay) -> SimResult:
     """The simulator on `workload` with `replay`'s fitted host time added to every step."""
-    return Simulator(dataclasses.replace(config, step_overhead_s=replay.step_overhead_s,
-                                         step_overhead_per_seq_s=replay.step_overhead_per_seq_s),
-                     tiers, model).run(workload)
+    host_time_error = PredictionError(host_s=replay.step_overhead_s, host_per_seq_s=replay.step_overhead_per_seq_s)
+    return Simulator(dataclasses.replace(config, prediction_error=host_time_error), tiers, model).run(workload)
 
 
 def attained(workload: Workload, token_times: list[list[float] | None]) -> np.ndarray:

@@ -1,13 +1,20 @@
-"""Goodput (DESIGN.md §1): the fluid optimal bound, and the searches that measure a policy against it.
+"""Goodput (DESIGN.md §1): the rules, the bound of each rule, and the search that measures a policy by a rule.
 
-- Fixed fleet: the highest Poisson arrival rate at which >= 90 % of requests (all tiers together) attain their SLO,
-  found by bisection on the rate, each probe pooled over several seeds.
-- Autoscaled fleet: SLO-attaining requests per instance-second held.
-- Fluid bound: for tier k (mean prompt P_k, mean output D_k), B_k is the largest batch whose predicted iteration,
-  with the prefill of the requests that replace the finishing ones folded in (B_k * P_k / D_k prompt tokens per
-  iteration) and the KV at its steady state (every resident half way through its output), stays within tpot_k,
-  fits the KV pool and the engine's sequence cap. One instance then completes at most B_k / (D_k * T(B_k)) tier-k
-  requests per second; N instances carrying the mix p_k at best lambda* = N / sum_k (p_k / capacity_k).
+Rules, each a score of one run's measured window and a target the score must reach:
+- every-tier (the headline): each tier attains its SLO for >= 90 % of its requests; score = the worst tier's share;
+- strict: >= 99 % of all requests attain; score = the pooled share.
+Refused and unfinished requests count as misses under both.
+
+Bounds, each an upper bound for its own rule (a figure is compared only with the bound of its rule). One instance
+serving tier k alone at batch B runs iterations of T(B): B decodes, the prefill of the requests that replace the
+finishing ones folded in (B * P_k / D_k prompt tokens per iteration), the KV at its steady state (every resident
+half way through its output). Cumulative deadlines let a request spend (ttft_k + (D_k - 1) * tpot_k) / D_k per
+token on average, so B_k is the batch of the highest capacity B / (D_k * T(B)) among those whose T(B) is within
+that allowance and whose KV fits the pool and the sequence cap. N instances carrying the mix p_k then serve at
+most lambda* = N / sum_k (p_k / capacity_k) requests per second. A rule that lets a share of requests miss is
+bounded by the same computation on the requests it must serve: those left after dropping the costliest share
+(instance time of each request at its tier's batch: its decode iterations' share plus its prompt's prefill time),
+per tier for every-tier, from all tiers together for strict.
 """
 from __future__ import annotations
 
@@ -20,7 +27,26 @@ import numpy as np
 from cluster.sim.workload import Workload
 from scheduler.latency_model import LatencyModel
 
-ATTAINMENT_TARGET = 0.9
+
+@dataclass(slots=True, frozen=True)
+class GoodputRule:
+    """What a run must reach for its rate to count: a `target` share of requests attaining, of every tier
+    (`per_tier`) or of all pooled."""
+    name: str
+    target: float
+    per_tier: bool
+
+    def score(self, pooled: float, per_tier: dict[str, float]) -> float:
+        """The share the target applies to: the worst tier's, or the pooled one."""
+        return min(per_tier.values(), default=math.nan) if self.per_tier else pooled
+
+    def passes(self, score: float) -> bool:
+        return score >= self.target  # NaN (a run given up) fails
+
+
+EVERY_TIER = GoodputRule("every-tier", 0.9, per_tier=True)
+STRICT = GoodputRule("strict", 0.99, per_tier=False)
+RULES = {r.name: r for r in (EVERY_TIER, STRICT)}
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,36 +59,37 @@ class TierCapacity:
     requests_per_s: float  # one instance, this tier alone
 
 
-def tier_capacity(model: LatencyModel, tier: str, tpot_ms: float, mean_prompt: float, mean_output: float,
-                  kv_capacity_tokens: int, max_batch: int) -> TierCapacity:
+def tier_capacity(model: LatencyModel, tier: str, tpot_ms: float, ttft_ms: float, mean_prompt: float,
+                  mean_output: float, kv_capacity_tokens: int, max_batch: int) -> TierCapacity:
     """B_k, T(B_k) and the per-instance rate of one tier (module docstring)."""
     if not (mean_prompt > 0 and mean_output >= 1):
         raise ValueError(f"tier {tier}: mean prompt and output must be positive, got {mean_prompt}, {mean_output}")
-    tpot_s = tpot_ms / 1000.0
+    allowance_s = (ttft_ms + (mean_output - 1) * tpot_ms) / mean_output / 1000.0
+    kv_per_request = mean_prompt + mean_output / 2
 
     def iteration(b: int) -> float:
-        return model.predict(round(b * mean_prompt / mean_output), b,
-                             round(b * (mean_prompt + mean_output / 2)))
+        return model.predict(round(b * mean_prompt / mean_output), b, round(b * kv_per_request))
 
     def fits(b: int) -> bool:
-        return iteration(b) <= tpot_s and b * (mean_prompt + mean_output / 2) <= kv_capacity_tokens
+        return iteration(b) <= allowance_s and b * kv_per_request <= kv_capacity_tokens
 
     if not fits(1):
         return TierCapacity(tier, mean_prompt, mean_output, 0, iteration(1), 0.0)
-    lo, hi = 1, max_batch  # fits(lo)
+    lo, hi = 1, max_batch  # the largest batch that fits: iteration time grows with the batch
     if fits(hi):
         lo = hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    t = iteration(lo)
-    return TierCapacity(tier, mean_prompt, mean_output, lo, t, lo / (mean_output * t))
+    best = max(range(1, lo + 1), key=lambda b: b / iteration(b))  # not always the largest: the best
+    t = iteration(best)
+    return TierCapacity(tier, mean_prompt, mean_output, best, t, best / (mean_output * t))
 
 
 @dataclass(slots=True, frozen=True)
 class FluidBound:
     tiers: tuple[TierCapacity, ...]
-    shares: tuple[float, ...]  # p_k
+    shares: tuple[float, ...]  # p_k: the requests each tier must serve, as a share of all admitted ones
 
     def rate(self, num_instances: int) -> float:
         """lambda*: the most requests per second `num_instances` can carry for this mix."""
@@ -70,51 +97,91 @@ class FluidBound:
         return num_instances / load if load > 0 else math.inf
 
 
-def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int, max_batch: int) -> FluidBound:
-    """The bound for the tier mix and per-tier lengths of `workload` (requests refused at admission left out)."""
-    caps, shares = [], []
+def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int, max_batch: int,
+                rule: GoodputRule | None = None) -> FluidBound:
+    """The bound of `rule` (None: every request attaining) for the tier mix and per-tier lengths of `workload`
+    (requests refused at admission left out), `model` giving the step time the fleet really has."""
     served = workload.tier_index >= 0
     total = int(served.sum())
     if total == 0:
         raise ValueError("the workload has no admissible request")
-    for k, tier in enumerate(workload.tiers):
-        mask = workload.tier_index == k
-        count = int(mask.sum())
-        shares.append(count / total)
-        if count == 0:
-            caps.append(TierCapacity(tier.name, 1.0, 1.0, 0, 0.0, 0.0))
-            continue
-        caps.append(tier_capacity(model, tier.name, tier.tpot_ms, float(workload.prompt_lens[mask].mean()),
-                                  float(workload.output_lens[mask].mean()), kv_capacity_tokens, max_batch))
-    for p, c in zip(shares, caps):
+    tiers = workload.tiers
+    masks = [workload.tier_index == k for k in range(len(tiers))]
+    full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch) for tier, mask in zip(tiers, masks)]
+    if rule is not None and rule.target < 1.0:
+        keep = _costliest_dropped(model, workload, masks, full, 1.0 - rule.target, rule.per_tier)
+        masks = [m & keep for m in masks]
+        full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch)
+                for tier, mask in zip(tiers, masks)]
+    shares = tuple(int(m.sum()) / total for m in masks)
+    for p, c in zip(shares, full):
         if p > 0 and c.requests_per_s == 0:
-            raise ValueError(f"tier {c.tier}: no batch meets its TPOT, the bound is zero")
-    return FluidBound(tuple(caps), tuple(shares))
+            raise ValueError(f"tier {c.tier}: no batch meets its deadlines, the bound is zero")
+    return FluidBound(tuple(full), shares)
+
+
+def _capacity(model: LatencyModel, tier, workload: Workload, mask: np.ndarray, kv_capacity_tokens: int,
+              max_batch: int) -> TierCapacity:
+    if not mask.any():
+        return TierCapacity(tier.name, 1.0, 1.0, 0, 0.0, 0.0)
+    return tier_capacity(model, tier.name, tier.tpot_ms, tier.ttft_ms, float(workload.prompt_lens[mask].mean()),
+                         float(workload.output_lens[mask].mean()), kv_capacity_tokens, max_batch)
+
+
+def _costliest_dropped(model: LatencyModel, workload: Workload, masks: list[np.ndarray],
+                       capacities: list[TierCapacity], share: float, per_tier: bool) -> np.ndarray:
+    """The requests left once the costliest `share` are dropped, of each tier or of all together. A request's cost
+    is the instance time it takes at its tier's batch: D * T(B) / B for its decode iterations, plus its prompt's
+    prefill at the marginal prefill time per token beside that batch."""
+    cost = np.full(len(workload), -np.inf)
+    for mask, c in zip(masks, capacities):
+        if c.batch == 0:
+            continue
+        kv = round(c.batch * (c.mean_prompt + c.mean_output / 2))
+        base = round(c.batch * c.mean_prompt / c.mean_output)
+        per_prompt_token = (model.predict(base + 1024, c.batch, kv + 1024) - model.predict(base, c.batch, kv)) / 1024
+        cost[mask] = workload.output_lens[mask] * (c.iteration_s / c.batch) + workload.prompt_lens[mask] * per_prompt_token
+    keep = workload.tier_index >= 0
+    groups = masks if per_tier else [keep]
+    for group in groups:
+        idx = np.flatnonzero(group)
+        n_drop = math.floor(share * len(idx) + 1e-9)
+        if n_drop:
+            keep[idx[np.argsort(cost[idx], kind="stable")[len(idx) - n_drop:]]] = False
+    return keep
 
 
 # ---- searches -------------------------------------------------------------------------------------------------
 @dataclass(slots=True, frozen=True)
 class Probe:
     rate: float
-    attainment: float  # pooled over the seeds
-    per_seed: tuple[float, ...]
+    scores: tuple[float, ...]  # the rule's score of each seed's run (NaN: given up)
+    passed: bool  # every seed reached the target
 
 
 @dataclass(slots=True, frozen=True)
 class GoodputSearch:
-    goodput: float  # the highest probed rate that met the target (0 if none)
+    goodput: float  # the highest rate that passed below every rate that failed (0 if none)
     probes: tuple[Probe, ...]  # in probing order
+    confirmed: bool  # the goodput passed on two or more seeds and a rate at most rel_tol above it failed
+
+    @property
+    def next_failing(self) -> float:
+        """The lowest probed rate that failed (inf if none)."""
+        return min((p.rate for p in self.probes if not p.passed), default=math.inf)
 
 
-def search_goodput(attainment_at: Callable[[float, int], float], seeds: Sequence[int], low: float, high: float,
-                   rel_tol: float = 0.03, target: float = ATTAINMENT_TARGET, max_probes: int = 16,
-                   width: int = 1, map_fn: Callable = map) -> GoodputSearch:
-    """Search for the highest rate whose attainment, averaged over `seeds`, is >= `target`.
+def search_goodput(score_at: Callable[[float, int], float], seeds: Sequence[int], low: float, high: float,
+                   rule: GoodputRule, rel_tol: float = 0.03, max_probes: int = 16, width: int = 1,
+                   map_fn: Callable = map) -> GoodputSearch:
+    """Search for the highest rate at which `rule` passes on every seed.
 
-    `attainment_at(rate, seed)` runs one simulation; it may answer NaN for a run it gave up on (certain to fail):
-    the probe then fails. [low, high] is widened (halving low, doubling high) until low passes and high fails;
-    then narrowed until high / low - 1 <= rel_tol. Attainment is treated as falling with the rate (it is, up to
-    noise: several seeds per probe keep the noise down).
+    `score_at(rate, seed)` runs one simulation and answers the rule's score of its window; it may answer NaN for a
+    run it gave up on (certain to fail). A rate passes when every seed's run passes. Attainment falls with the rate
+    only up to noise (refused requests cost no capacity, so a heavier load can score higher), so a passing rate
+    above one that failed does not count: the answer is the highest passing rate below the lowest failing one, and
+    the search narrows that bracket until failing / passing - 1 <= rel_tol. [low, high] is widened (halving low,
+    doubling high) until it holds a pass and a failure.
 
     `width` rates are probed per round, all their runs through `map_fn` (a process pool's `map` runs them at
     once): the first round probes low and high together, each later one splits the bracket into width + 1 equal
@@ -124,41 +191,40 @@ def search_goodput(attainment_at: Callable[[float, int], float], seeds: Sequence
     if width < 1:
         raise ValueError(f"width must be at least 1, got {width}")
     probes: list[Probe] = []
-    passed: dict[float, bool] = {}
 
     def probe(rates: list[float]) -> None:
         rates = rates[:max_probes - len(probes)]
-        runs = list(map_fn(_run_one, [(attainment_at, rate, seed) for rate in rates for seed in seeds]))
+        runs = list(map_fn(_run_one, [(score_at, rate, seed) for rate in rates for seed in seeds]))
         for i, rate in enumerate(rates):
-            per_seed = tuple(runs[i * len(seeds):(i + 1) * len(seeds)])
-            p = Probe(rate, float(np.mean(per_seed)), per_seed)
-            probes.append(p)
-            passed[rate] = p.attainment >= target
+            scores = tuple(runs[i * len(seeds):(i + 1) * len(seeds)])
+            probes.append(Probe(rate, scores, all(rule.passes(x) for x in scores)))
+
+    def bracket() -> tuple[float | None, float]:
+        failing = min((p.rate for p in probes if not p.passed), default=math.inf)
+        return max((p.rate for p in probes if p.passed and p.rate < failing), default=None), failing
 
     probe([low, high] if width > 1 else [low])
     while len(probes) < max_probes:
-        ok = [r for r, good in passed.items() if good]
-        if not ok:  # even the lowest rate fails
-            lowest = min(passed)
+        lo, hi = bracket()
+        if lo is None:  # even the lowest rate fails
+            lowest = min(p.rate for p in probes)
             if lowest / 2 < 1e-6:
                 break
             probe([lowest / 2 ** (i + 1) for i in range(width)])
-            continue
-        lo = max(ok)
-        above = [r for r, good in passed.items() if not good and r > lo]
-        if not above:  # nothing above the best passing rate failed yet
-            probe([high] if high not in passed else [lo * 2 ** (i + 1) for i in range(width)])
-            continue
-        hi = min(above)
-        if hi / lo - 1 <= rel_tol:
+        elif math.isinf(hi):  # nothing above the best passing rate failed yet
+            probe([high] if all(p.rate != high for p in probes) else [lo * 2 ** (i + 1) for i in range(width)])
+        elif hi / lo - 1 <= rel_tol:
             break
-        probe([lo * (hi / lo) ** ((i + 1) / (width + 1)) for i in range(width)])
-    return GoodputSearch(max((r for r, good in passed.items() if good), default=0.0), tuple(probes))
+        else:
+            probe([lo * (hi / lo) ** ((i + 1) / (width + 1)) for i in range(width)])
+    lo, hi = bracket()
+    confirmed = lo is not None and len(seeds) >= 2 and hi / lo - 1 <= rel_tol
+    return GoodputSearch(lo or 0.0, tuple(probes), confirmed)
 
 
 def _run_one(job: tuple[Callable[[float, int], float], float, int]) -> float:
-    attainment_at, rate, seed = job
-    return attainment_at(rate, seed)
+    score_at, rate, seed = job
+    return score_at(rate, seed)
 
 
 def autoscaled_goodput(num_attained: int, instance_seconds: float) -> float:

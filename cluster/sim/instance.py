@@ -1,19 +1,22 @@
 """One simulated engine instance: the engine's step semantics (engine/engine.py) in virtual time, driven by the real
-batch policy object, with the latency model standing in for the GPU.
+batch policy object, with a step-time truth (scheduler/prediction_error.py: the latency model's prediction and the
+error no predictor sees) standing in for the GPU.
 
 Per step, as the engine does: ask `policy.schedule(now, running, waiting, KvState)`; preempt what it names (recompute:
 the KV is dropped, the tokens kept, the request goes back to the queue in arrival order); give every planned request
-its blocks, ceil(tokens / block_size) each, skipping one that does not fit; the step lasts `model.predict(prefill
-tokens, decode seqs, KV tokens)`; at its end every request whose whole context is computed emits a token, and those
-with their output complete leave and free their blocks.
+its blocks, ceil(tokens / block_size) each, skipping one that does not fit; the step lasts `truth.duration(prefill
+tokens, decode seqs, KV tokens, sequences)`; at its end every request whose whole context is computed emits a token,
+and those with their output complete leave and free their blocks.
 
 Decode runs. With nothing waiting, a policy that schedules every running request for one decode token is asked
 again next step with the same residents one token longer, and makes the same choice (every policy of scheduler/
 does: they only ever withhold a decode for lack of budget or KV). So from such a step on, the instance runs
 without asking the policy until a resident finishes, a request arrives, or the next step's blocks would not fit;
 the steps' emit times are applied to all residents at once (the per-token deadline check is a running max per
-distinct TPOT, not a loop over requests per step). `fast_forward=False` asks the policy every step; the tests
-check the two give identical results.
+distinct TPOT, not a loop over requests per step). The run's steps are drawn from the truth as they are laid out;
+when a run is cut short, the steps laid out past the cut are given back to it (`StepTruth.rewind`), so every step
+gets the same time as when drawn one by one. `fast_forward=False` asks the policy every step; the tests check the
+two give identical results.
 """
 from __future__ import annotations
 
@@ -22,9 +25,11 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Callable
 
-from scheduler.latency_model import LatencyModel
+from scheduler.headroom import ON_TIME, Headroom
+from scheduler.latency_model import LearningLatencyModel
+from scheduler.prediction_error import StepTruth
 from scheduler.slo import SLO, deadline_terms, next_token_deadline
-from scheduler.types import BatchPolicy, KvState, is_decode
+from scheduler.types import BatchPolicy, KvState, StepStats, is_decode
 
 RUN_CHUNK_STEPS = 64  # steps of a decode run laid out at a time: bounds the work thrown away when one is cut
 
@@ -53,6 +58,7 @@ class SimRequest:
     host_tier: str = ""  # the tier of that instance when placed (differs from `tier` when promoted)
     token_times: list[float] | None = None  # every emit time, kept only when asked (tests, calibration)
     tally: "MissTally | None" = None  # counted once, the first time one of its tokens is late
+    standing: int = ON_TIME  # as its instance's headroom reads it (`scheduler.headroom`)
     first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
     tpot_s: float = field(init=False)
 
@@ -66,8 +72,10 @@ class SimRequest:
     def finished(self) -> bool:
         return self.num_output_tokens >= self.output_len
 
-    def emit(self, t: float) -> None:
-        self.note_lateness(t - next_token_deadline(self))
+    def emit(self, t: float) -> float:
+        """Its next token came out at `t`; answers how late (seconds past its deadline; negative: early)."""
+        late = t - next_token_deadline(self)
+        self.note_lateness(late)
         if self.num_output_tokens == 0:
             self.first_token_time = t
         elif t - self.last_token_time > self.max_gap:
@@ -77,6 +85,7 @@ class SimRequest:
         self.num_tokens += 1
         if self.token_times is not None:
             self.token_times.append(t)
+        return late
 
     def note_lateness(self, late: float) -> None:
         """A token emitted `late` seconds after its deadline (negative: early): keep the worst, and count the
@@ -100,20 +109,23 @@ class SimInstance:
     """The engine's step loop for one instance. The simulator owns the clock: it calls `on_event(t)` at the time
     `event_time` it was told (whenever `version` is unchanged), and `enqueue` when a request is placed here."""
 
-    def __init__(self, index: int, policy: BatchPolicy, model: LatencyModel, num_blocks: int, block_size: int,
+    def __init__(self, index: int, policy: BatchPolicy, truth: StepTruth, latency_model: LearningLatencyModel,
+                 headroom: Headroom, num_blocks: int, block_size: int,
                  schedule_event: Callable[["SimInstance", float], None],
                  on_finish: Callable[["SimInstance", list[SimRequest], float], None], fast_forward: bool = True,
-                 instance_id: str = "", step_overhead_s: float = 0.0, step_overhead_per_seq_s: float = 0.0):
+                 instance_id: str = ""):
+        """`truth` gives every step's time; as the engine does, the instance feeds each measured step to
+        `latency_model` and each request's outcome to `headroom` (what its policy plans with, if it plans)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
-        self.index, self.policy, self.model = index, policy, model
+        self.index, self.policy, self.truth = index, policy, truth
+        self.latency_model, self.headroom = latency_model, headroom
+        self._unreported: list[StepStats] = []  # measured steps the router has not been told of
         self.instance_id = instance_id or f"i{index}"
         self.block_size, self.num_total_blocks = block_size, num_blocks
         self.free_blocks = num_blocks
         self.schedule_event, self.on_finish = schedule_event, on_finish
         self.fast_forward = fast_forward
-        # host time per step beyond the model's: a constant and a part per sequence in the batch (see SimConfig)
-        self.step_overhead_s, self.step_overhead_per_seq_s = step_overhead_s, step_overhead_per_seq_s
         self.waiting: list[SimRequest] = []  # arrival order, as the engine keeps it
         self.running: list[SimRequest] = []  # admission order
         self.state = IDLE
@@ -122,6 +134,7 @@ class SimInstance:
         # the regular step in flight
         self._items: list[tuple[SimRequest, int]] = []
         self._step_start = 0.0
+        self._step_shape = (0, 0, 0, 0)  # prefill tokens, decodes, KV tokens, sequences
         # the decode run in flight: steps [0, _run_len) from _run_start; emit times of the laid-out chunk in _ends
         self._run_len = 0
         self._run_base = 0  # run step index of _ends[0]
@@ -145,6 +158,11 @@ class SimInstance:
         """Apply every step that ended before `now` to the residents (a decode run applies lazily)."""
         if self.state == RUN:
             self._apply_run_until(now)
+
+    def take_unreported_steps(self) -> list[StepStats]:
+        """The steps measured since the last call, oldest first."""
+        steps, self._unreported = self._unreported, []
+        return steps
 
     # ---- driven by the simulator ----------------------------------------------------------------------------
     def enqueue(self, req: SimRequest, now: float) -> None:
@@ -209,8 +227,8 @@ class SimInstance:
                 and not plan.preempted):
             self._start_run(now, num_kv)
             return
-        duration = self.model.predict(num_new - num_decode, num_decode, num_kv) + \
-            (self.step_overhead_s + self.step_overhead_per_seq_s * len(items))
+        shape = self._step_shape = (num_new - num_decode, num_decode, num_kv, len(items))
+        duration = self.truth.duration(*shape)
         self.state = STEP
         self._items = items
         self._step_start = now
@@ -238,29 +256,38 @@ class SimInstance:
 
     def _finish_step(self, t: float) -> None:
         finished = []
+        note_token = self.headroom.note_token
         for req, n in self._items:
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:
-                req.emit(t)
+                first = req.num_output_tokens == 0
+                req.standing = note_token(req.standing, first, req.emit(t) > 0)
                 if req.num_output_tokens >= req.output_len:
                     finished.append(req)
         self._items = []
-        self._record_step(self._step_start, t - self._step_start)
+        self._record_step(self._step_start, t - self._step_start, *self._step_shape)
         if finished:
             self._retire(finished, t)
 
     def _retire(self, finished: list[SimRequest], t: float) -> None:
         gone = set()
         for req in finished:
+            self.headroom.note_finished(req.standing)
             self.free_blocks += req.num_blocks
             req.num_blocks = 0
             gone.add(id(req))
         self.running = [r for r in self.running if id(r) not in gone]
         self.on_finish(self, finished, t)
 
-    def _record_step(self, start: float, duration: float) -> None:
+    def _record_step(self, start: float, duration: float, num_prefill_tokens: int, num_decode_seqs: int,
+                     num_kv_tokens: int, num_seqs: int) -> None:
         self.num_steps += 1
         self.last_end = start + duration
+        running, waiting = len(self.running), len(self.waiting)
+        stats = StepStats(start, duration, num_prefill_tokens, num_decode_seqs, num_kv_tokens,
+                          self.num_total_blocks - self.free_blocks, running, waiting, num_seqs)
+        self.latency_model.observe(stats)
+        self._unreported.append(stats)
 
     # ---- decode runs ----------------------------------------------------------------------------------------
     def _start_run(self, now: float, kv0: int) -> None:
@@ -297,13 +324,12 @@ class SimInstance:
         t = self._ends[-1] if self._ends else self._run_start
         self._chunk_start = t
         count = min(self._run_len - base, RUN_CHUNK_STEPS)
-        predict = self.model.predict
+        duration = self.truth.duration
         b = len(self.running)
-        overhead = self.step_overhead_s + self.step_overhead_per_seq_s * b
         kv = self._run_kv0 + b * base
         ends = []
         for i in range(base, base + count):
-            t += predict(0, b, kv) + overhead  # the first step's too: the same sum _start_step would make
+            t += duration(0, b, kv, b)  # the first step's too: the same sum _start_step would make
             ends.append(t)
             kv += b
         self._ends = ends
@@ -345,8 +371,11 @@ class SimInstance:
         in_flight = 1 if (self._run_base + k < self._run_len) else 0
         bs = self.block_size
         free = self.free_blocks
+        note_token = self.headroom.note_token
         for r in self.running:
-            r.note_lateness(worst[r.tpot_s] - next_token_deadline(r))
+            late = worst[r.tpot_s] - next_token_deadline(r)
+            r.note_lateness(late)
+            r.standing = note_token(r.standing, False, late > 0)
             g = ends[a] - r.last_token_time
             if gap > g:
                 g = gap
@@ -364,9 +393,12 @@ class SimInstance:
                 r.token_times.extend(ends[a:k])
         self.free_blocks = free
         record = self._record_step
+        b = len(self.running)
+        kv = self._run_kv0 + b * (self._run_base + a)
         for j in range(a, k):
-            record(prev, ends[j] - prev)
+            record(prev, ends[j] - prev, 0, b, kv, b)
             prev = ends[j]
+            kv += b
         self._run_applied = k
 
     def _end_run(self, t: float) -> None:
@@ -383,8 +415,11 @@ class SimInstance:
         i = self._run_applied
         start = self._ends[i - 1] if i else self._chunk_start
         end = self._ends[i]
+        self.truth.rewind(len(self._ends) - i - 1)  # the steps laid out past the one in flight never run
         self.state = STEP
+        b = len(self.running)
         self._items = [(r, 1) for r in self.running]
+        self._step_shape = (0, b, self._run_kv0 + b * (self._run_base + i), b)
         self._step_start = start
         self._ends = []
         if end != self.event_time:

@@ -1,6 +1,7 @@
 """Discrete-event simulator of a fleet (DESIGN.md §5): the live system's router (cluster/router.py), autoscaler
-(cluster/autoscaler.py) and batch policies (scheduler/) driven in virtual time, the latency model standing in for
-the GPU. No sockets, no sleeping, no clock: deterministic for a seed.
+(cluster/autoscaler.py) and batch policies (scheduler/) driven in virtual time, the latency model with its prediction
+error (scheduler/prediction_error.py: every instance steps on its own `StepTruth`, which no predictor sees) standing
+in for the GPU. No sockets, no sleeping, no clock: deterministic for a seed.
 
 It is what cluster/service.py does with messages, done with method calls:
 - an arrival is `router.submit`; placed, it is queued on its instance (cluster/sim/instance.py runs the engine's
@@ -29,8 +30,11 @@ from cluster.fleet import InstanceStatus, RoutedRequest
 from cluster.router import InstanceReport, Outcome, Router
 from cluster.sim.instance import IDLE, MissTally, SimInstance, SimRequest
 from cluster.sim.workload import REFUSED, Workload
+from scheduler.headroom import Headroom
 from scheduler.latency_model import LatencyModel
+from scheduler.online_fit import OnlineLatencyModel
 from scheduler.policy import BATCH_POLICIES, make_batch_policy
+from scheduler.prediction_error import EXACT, PredictionError, StepTruth
 from scheduler.roofline import kv_blocks_for_gpu
 from scheduler.types import BatchPolicy
 
@@ -54,24 +58,25 @@ class SimConfig:
     queue_limit: int = 256
     tick_s: float = 0.05
     fast_forward: bool = True
-    # host time every step adds to the model's, a constant and a part per sequence in the batch: zero for the GPU
-    # system the model describes; the measured figures of an emulated engine on a CPU (calibration)
-    step_overhead_s: float = 0.0
-    step_overhead_per_seq_s: float = 0.0
+    # how every step's true time departs from the model's prediction (host time, bias, noise, stalls); the router
+    # and the batch policies predict by the model alone
+    prediction_error: PredictionError = EXACT
     record_token_times: bool = False
     reveal_output_len: bool = False  # max_tokens = the true output length (as the emulated engine needs)
     max_tokens_cap: int = 4096  # otherwise every request's max_tokens
     expected_output_tokens: float | None = None  # the router's prior; None: the workload's mean output
-    seed: int = 0  # the router's own randomness (the random baseline)
+    seed: int = 0  # the router's own randomness (the random baseline) and, with the instance's index, its step times
 
     def __post_init__(self):
         if self.engine_policy not in BATCH_POLICIES:
             raise ValueError(f"engine_policy must be one of {', '.join(BATCH_POLICIES)}, got {self.engine_policy!r}")
         if self.num_instances < 0 or (self.num_instances == 0 and self.autoscale is None):
             raise ValueError(f"a fixed fleet needs at least one instance, got {self.num_instances}")
-        if not (self.cold_start_s >= 0 and self.tick_s > 0 and self.step_overhead_s >= 0
-                and self.step_overhead_per_seq_s >= 0):
-            raise ValueError("cold_start_s and step_overhead_s must be non-negative and tick_s positive")
+        if not (self.cold_start_s >= 0 and self.tick_s > 0):
+            raise ValueError("cold_start_s must be non-negative and tick_s positive")
+        if not isinstance(self.prediction_error, PredictionError):
+            raise ValueError(f"prediction_error must be a PredictionError (scheduler.prediction_error."
+                             f"prediction_error resolves a preset name), got {self.prediction_error!r}")
         if self.max_prefill_chunk > self.max_num_batched_tokens:
             raise ValueError("max_prefill_chunk cannot exceed max_num_batched_tokens")
 
@@ -79,10 +84,10 @@ class SimConfig:
     def kv_blocks(self) -> int:
         return self.num_kv_blocks if self.num_kv_blocks is not None else kv_blocks_for_gpu(self.block_size)
 
-    def batch_policy(self, model: LatencyModel) -> BatchPolicy:
+    def batch_policy(self, model: LatencyModel, headroom: Headroom | None = None) -> BatchPolicy:
         """One instance's batch policy, `engine_policy` over this deployment's batch limits."""
         return make_batch_policy(self.engine_policy, model, self.max_num_seqs, self.max_num_batched_tokens,
-                                 self.max_prefill_chunk)
+                                 self.max_prefill_chunk, headroom)
 
 
 @dataclass(slots=True)
@@ -142,12 +147,14 @@ class SimResult:
 
 class Simulator:
     def __init__(self, config: SimConfig, tiers, model: LatencyModel,
-                 policy_factory: Callable[[], BatchPolicy] | None = None, router_kwargs: dict | None = None,
-                 sample_s: float = 1.0):
-        """`policy_factory` (one batch policy per instance) defaults to what `config` names; `router_kwargs` reach
-        the Router (the ablations' gradient and promotion switches)."""
+                 policy_factory: Callable[[LatencyModel, Headroom], BatchPolicy] | None = None,
+                 router_kwargs: dict | None = None, sample_s: float = 1.0):
+        """`model` is what every predictor starts from; each instance steps on its own `StepTruth` of it under
+        `config.prediction_error`, and refines its own copy from the steps it measures, as an engine does.
+        `policy_factory(instance's model, instance's headroom)` (one batch policy per instance) defaults to what
+        `config` names; `router_kwargs` reach the Router (the ablations' gradient and promotion switches)."""
         self.config, self.tiers, self.model = config, tiers, model
-        self.policy_factory = policy_factory or (lambda: config.batch_policy(model))
+        self.policy_factory = policy_factory or config.batch_policy
         self.router_kwargs = router_kwargs or {}
         self.sample_s = sample_s
         self.instances: dict[str, SimInstance] = {}
@@ -164,11 +171,16 @@ class Simulator:
     def _new_instance(self, now: float) -> str:
         instance_id = f"i{self._next_instance}"
         self._next_instance += 1
-        inst = SimInstance(len(self._by_index), self.policy_factory(), self.model, self.config.kv_blocks,
-                           self.config.block_size, self._push_step_event, self._on_finish,
-                           fast_forward=self.config.fast_forward, instance_id=instance_id,
-                           step_overhead_s=self.config.step_overhead_s,
-                           step_overhead_per_seq_s=self.config.step_overhead_per_seq_s)
+        index = len(self._by_index)
+        cfg = self.config
+        truth = StepTruth(self.model, cfg.prediction_error, f"{cfg.seed}/{index}")
+        # as build_engine builds an engine's
+        learned = OnlineLatencyModel(self.model, max_prefill_tokens=cfg.max_num_batched_tokens,
+                                     max_decode_seqs=cfg.max_num_seqs, max_kv_tokens=cfg.kv_blocks * cfg.block_size)
+        headroom = Headroom()
+        inst = SimInstance(index, self.policy_factory(learned, headroom), truth, learned, headroom, cfg.kv_blocks,
+                           cfg.block_size, self._push_step_event, self._on_finish, fast_forward=cfg.fast_forward,
+                           instance_id=instance_id)
         self._by_index.append(inst)
         self.instances[instance_id] = inst
         self._reported.append(-1)
@@ -344,7 +356,8 @@ class Simulator:
                 reported[inst.index] = inst.num_steps
                 router.on_report(inst.instance_id, InstanceReport(inst.last_end,
                                                                   inst.num_total_blocks - inst.free_blocks,
-                                                                  inst.running + inst.waiting), now)
+                                                                  inst.running + inst.waiting,
+                                                                  inst.take_unreported_steps()), now)
 
     # ---- fleet -----------------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:

@@ -1,0 +1,68 @@
+"""Headroom under prediction error (DESIGN.md §2, learning under error): the share of each TPOT that packing leaves
+unplanned, fed back from measured outcomes.
+
+No latency model is exact on a real fleet: host time, noise and stalls make some steps slower than predicted, and
+an instance packed to exactly its predicted TPOT then misses whenever a step runs slow. The owner (the router for
+its placements, an engine for its chunks) plans against `tpot * (1 - margin)` and reports the outcome of every
+request whose first token was on time (a late first token is queueing or prefill, not packing: counting it would
+shrink capacity exactly when load is what misses): a later token late raises the margin by `step`, every token on
+time lowers it by `step * target / (1 - target)`. In
+equilibrium the increases and decreases balance exactly when a share `target` of requests miss, so the margin
+settles at the smallest headroom that holds the miss rate at `target` whatever the error's size: a stochastic
+approximation of the quantile the error calls for (Robbins-Monro), with no constant fitted to a workload.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# A request's standing, as the headroom reads it: kept on the request by its owner, advanced by `note_token`.
+ON_TIME = 0  # every token so far on time
+LATE_START = 1  # its first token was late: queueing or prefill, not packing; the headroom ignores it
+MISSED = 2  # a later token was late: counted once
+
+
+@dataclass(slots=True)
+class Headroom:
+    target: float = 0.005  # share of requests allowed to miss by packing: well inside every goodput rule
+    step: float = 0.01  # margin added by one miss
+    max_margin: float = 0.5  # never plan less than half the TPOT: past that, error is not what misses
+    margin: float = 0.0
+    num_missed: int = field(default=0, init=False)
+    num_attained: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        if not 0 < self.target < 1:
+            raise ValueError(f"headroom target must lie in (0, 1), got {self.target}")
+        if not 0 < self.step < self.max_margin < 1:
+            raise ValueError(f"need 0 < step < max_margin < 1, got step {self.step}, max_margin {self.max_margin}")
+        if not 0 <= self.margin <= self.max_margin:
+            raise ValueError(f"margin must lie in [0, max_margin], got {self.margin}")
+
+    def missed(self) -> None:
+        """A token after an on-time first one was late (counted once per request, when first seen late)."""
+        self.num_missed += 1
+        self.margin = min(self.max_margin, self.margin + self.step)
+
+    def attained(self) -> None:
+        """A request finished with every token on time."""
+        self.num_attained += 1
+        self.margin = max(0.0, self.margin - self.step * self.target / (1.0 - self.target))
+
+    def budget_ms(self, tpot_ms: float) -> float:
+        """The TPOT to plan against."""
+        return tpot_ms * (1.0 - self.margin)
+
+    def note_token(self, standing: int, first: bool, late: bool) -> int:
+        """A request in `standing` emitted a token (its `first`), on time or `late`: counts a miss of packing the
+        first time one shows, and answers the request's new standing."""
+        if standing != ON_TIME or not late:
+            return standing
+        if first:
+            return LATE_START
+        self.missed()
+        return MISSED
+
+    def note_finished(self, standing: int) -> None:
+        """A request ended with every token emitted (not aborted) in `standing`."""
+        if standing == ON_TIME:
+            self.attained()

@@ -1,0 +1,41 @@
+"""The feedback headroom: it settles where the share of requests missing equals its target."""
+import random
+
+import pytest
+
+from scheduler.headroom import Headroom
+
+
+def test_misses_raise_and_attainments_lower_the_margin_within_bounds():
+    h = Headroom(target=0.01, step=0.02, max_margin=0.1)
+    for _ in range(10):
+        h.missed()
+    assert h.margin == pytest.approx(0.1)  # capped
+    h.attained()
+    assert h.margin == pytest.approx(0.1 - 0.02 * 0.01 / 0.99)
+    for _ in range(10_000):
+        h.attained()
+    assert h.margin == 0.0 and h.budget_ms(50.0) == 50.0
+    assert (h.num_missed, h.num_attained) == (10, 10_001)
+
+
+def test_settles_at_the_margin_whose_miss_rate_is_the_target():
+    """Requests miss when a random slowdown (here uniform up to 20 %) exceeds the margin planned for: the miss rate
+    at margin m is 0.2 - m over 0.2, so a 1 % target needs m = 0.198."""
+    rng = random.Random(3)
+    h = Headroom(target=0.01, step=0.002)
+    misses = []
+    for i in range(200_000):
+        missed = rng.uniform(0.0, 0.2) > h.margin
+        (h.missed if missed else h.attained)()
+        if i >= 100_000:
+            misses.append(missed)
+    assert sum(misses) / len(misses) == pytest.approx(0.01, abs=0.002)
+    assert h.margin == pytest.approx(0.198, abs=0.004)
+
+
+@pytest.mark.parametrize("kwargs", [dict(target=0.0), dict(target=1.0), dict(step=0.0), dict(step=0.6),
+                                    dict(max_margin=1.0), dict(margin=0.9)])
+def test_bad_settings_named(kwargs):
+    with pytest.raises(ValueError, match="target|step|margin"):
+        Headroom(**kwargs)
