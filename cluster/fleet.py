@@ -40,6 +40,7 @@ class RoutedRequest:
     num_output_tokens: int = 0
     late: bool = False  # its first token can no longer be on time: judged from now on as if it arrived now
     standing: int = ON_TIME  # on time so far, or how it first went late (`scheduler.headroom`)
+    placed_before: bool = False  # it ran on an instance that was lost: queued again, it is owed an answer
     first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
     tpot_s: float = field(init=False)
 

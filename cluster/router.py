@@ -95,11 +95,16 @@ class Router:
     def __init__(self, tiers: TierSet, latency_model: LatencyModel, *, policy: str = "polyserve",
                  autoscaler: Autoscaler | None = None, queue_limit: int = 256, max_prefill_chunk: int = 2048,
                  expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000,
-                 gradient: bool = True, promotion: str = "lazy"):
+                 gradient: bool = True, promotion: str = "lazy", shed_late: bool = True):
         """`latency_model` is where the router's predictions start: it refines them from the steps the instances
         report (`OnlineLatencyModel`), and holds each tier's instances to the tier's TPOT less a margin fed back
         from its requests' outcomes (`Headroom`), as each engine does for its chunks (DESIGN.md §2, learning under
         error).
+
+        `shed_late`: a queued request whose first token can no longer be on time is given up (`take_shed`, for
+        the caller to answer) rather than served late: serving it would spend capacity that requests still on time
+        need, and a fleet past its capacity would then miss them all. A request queued again after its instance
+        was lost is served all the same. False serves every one, judged as if it arrived then.
 
         `gradient` and `promotion` are PolyServe's ablations: gradient=False tries a tier's least-loaded
         instance first instead of its busiest; promotion "before-scale-up" tries the tighter tiers before the idle
@@ -109,7 +114,8 @@ class Router:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
             raise ValueError(f"promotion must be one of {', '.join(PROMOTIONS)}, got {promotion!r}")
-        self.gradient, self.promotion = gradient, promotion
+        self.gradient, self.promotion, self.shed_late = gradient, promotion, shed_late
+        self.shed: list[RoutedRequest] = []  # queued requests given up, for the caller to answer (`take_shed`)
         if queue_limit < 0:
             raise ValueError(f"queue_limit must be non-negative, got {queue_limit}")
         self.model = OnlineLatencyModel(latency_model, max_prefill_tokens=max_prefill_chunk)
@@ -211,7 +217,7 @@ class Router:
         queue = self.queues[req.tier_index]
         if not readmit and len(queue) >= self.queue_limit:
             self._log(now, "queue_full", req.request_id, None, req.tier_index)
-            return Decision(Outcome.QUEUE_FULL, retry_after_s=self._retry_after(req.tier_index))
+            return Decision(Outcome.QUEUE_FULL, retry_after_s=self.retry_after(req.tier_index))
         if readmit:
             queue.appendleft(req)  # it has waited longest of all
         else:
@@ -280,6 +286,12 @@ class Router:
                 req = queue[0]
                 if not req.late:
                     req.late = not self._on_time_possible(req, now)
+                    if req.late and self.shed_late and not req.placed_before:
+                        queue.popleft()
+                        del self.requests[req.request_id]
+                        self.shed.append(req)
+                        self._log(now, "shed", req.request_id, None, req.tier_index)
+                        continue
                 placed = self._place(req, now)
                 if placed is None:
                     break
@@ -288,6 +300,11 @@ class Router:
                 self._apply(req, view, how, now)
                 placements.append(Placement(req, view.instance_id, how))
         return placements
+
+    def take_shed(self) -> list[RoutedRequest]:
+        """The queued requests given up since the last call: their first token could no longer be on time."""
+        shed, self.shed = self.shed, []
+        return shed
 
     def queue_length(self, tier: int) -> int:
         return len(self.queues[tier])
@@ -310,9 +327,11 @@ class Router:
 
     def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot,
                   now: float) -> tuple[InstanceView, How] | None:
-        fits, members = self.checker.fits, self.fleet.members
+        fits, members, queues = self.checker.fits, self.fleet.members, self.queues
         ready = InstanceStatus.READY
         for tier in tiers:
+            if tier != req.tier_index and queues[tier]:
+                continue  # a tier whose own requests wait for room lends none to looser ones
             tpot = self._budget_ms(tier)
             for view in sorted(members[tier], key=_load, reverse=self.gradient):
                 if view.status is ready and fits(view.summary, view.kv_capacity_tokens, view.iteration_end, tpot,
@@ -380,6 +399,7 @@ class Router:
             self.fleet.idle.remove(view)
             self._join(view, req.tier_index, now)
         req.instance_id = view.instance_id
+        req.placed_before = True
         req.num_computed_tokens = req.num_output_tokens = 0
         view.residents[req.request_id] = req
         view.summary.add(req)
@@ -439,7 +459,7 @@ class Router:
         """Load: the predicted iteration of the instance's residents, every one decoding at its current context."""
         view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
 
-    def _retry_after(self, tier: int) -> float:
+    def retry_after(self, tier: int) -> float:
         """Seconds until a tier slot is likely free: one expected output at the tier's TPOT (at least 1 s)."""
         expected = self.output_lengths.mean(self.tiers[tier].name)
         return max(1.0, math.ceil(expected * self._tier_tpot_ms[tier] / 1000.0))

@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stop-after-idle-s", type=float, default=5.0,
                     help="an idle instance beyond the pool is stopped after this long")
     ap.add_argument("--queue-limit", type=int, default=256, help="requests waiting per tier before 429")
+    ap.add_argument("--serve-late", action="store_true",
+                    help="serve a queued request whose first token can no longer be on time (default: answer it "
+                         "429 at once, keeping the capacity for requests still on time)")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     ap.add_argument("--gpus", default="", help="comma-separated device ids, one engine each (default: none)")
     add_engine_args(ap)
@@ -62,7 +65,7 @@ def build_backend(args: argparse.Namespace) -> RouterBackend:
         idle_pool=0 if baseline else args.idle_pool, min_per_tier=0 if baseline else args.min_per_tier,
         max_per_tier=None if baseline else args.max_per_tier, stop_after_idle_s=args.stop_after_idle_s)
     router = Router(config.tier_set, latency_model, policy=args.router_policy, autoscaler=Autoscaler(limits),
-                    queue_limit=args.queue_limit, max_prefill_chunk=config.prefill_chunk)
+                    queue_limit=args.queue_limit, shed_late=not args.serve_late, max_prefill_chunk=config.prefill_chunk)
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
     if gpus and args.max_instances > len(gpus):
         raise ValueError(f"--max-instances {args.max_instances} exceeds the {len(gpus)} GPUs of --gpus")

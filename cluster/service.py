@@ -178,10 +178,17 @@ class RouterService:
                 self.metrics.observe_queue_time(stream.routed.tier, max(0.0, submit.queued_s))
 
     def _dispatch(self, placements: list[Placement], now: float) -> None:
+        """Sends what the router placed, and answers what it gave up."""
         for placement in placements:
             stream = self.streams.get(placement.request.request_id)
             if stream is not None:
                 self._send(stream, placement.instance_id, now)
+        for routed in self.router.take_shed():
+            stream = self.streams.get(routed.request_id)
+            if stream is not None:
+                message = (f"tier {routed.tier}: waited {1000 * (now - routed.arrival):.0f} ms for room, and its "
+                           f"first token can no longer come within its {routed.slo.ttft_ms:g} ms")
+                stream.end(QueueFullError(message, self.router.retry_after(routed.tier_index)))
 
     def _decided(self, stream: _Stream, decision: Decision, now: float) -> None:
         """A re-placed request: sent, queued, or (nowhere to go) answered."""

@@ -207,7 +207,7 @@ def test_router_drops_an_engine_that_sends_garbage_and_keeps_serving():
         service = RouterService(Router(tiers, emulated_latency_model()), heartbeat_timeout_s=5.0)
         await service.start()
         await service.attach("127.0.0.1", server.sockets[0].getsockname()[1])
-        gen = service.generate("x", [1, 2, 3], SamplingParams(max_tokens=4), "std", SLO(1000, 50), 0.0)
+        gen = service.generate("x", [1, 2, 3], SamplingParams(max_tokens=4), "std", SLO(1000, 50), service.clock())
         with pytest.raises(NoInstanceError):  # its only instance died before a token: nowhere to place it again
             await asyncio.wait_for(anext(gen), 10)
         assert "bad" not in service.router.fleet.instances and not service.links

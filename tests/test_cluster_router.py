@@ -28,9 +28,10 @@ TIGHT, STD, BATCH = 0, 1, 2
 CAPACITY = 4000
 
 
-def make_router(policy="polyserve", tiers=TIERS, queue_limit=4, **limits) -> Router:
+def make_router(policy="polyserve", tiers=TIERS, queue_limit=4, shed_late=True, **limits) -> Router:
     limits = {"min_instances": 0, "max_instances": 16, "idle_pool": 0, **limits}
-    return Router(tiers, MODEL, policy=policy, autoscaler=Autoscaler(ScalingLimits(**limits)), queue_limit=queue_limit)
+    return Router(tiers, MODEL, policy=policy, autoscaler=Autoscaler(ScalingLimits(**limits)), queue_limit=queue_limit,
+                  shed_late=shed_late)
 
 
 def request(rid: str, tier: int, arrival: float = 0.0, prompt: int = 1000, max_tokens: int = 100,
@@ -203,14 +204,36 @@ def test_queue_is_bounded_retried_fifo_and_readmits_go_first():
     assert router.withdraw("q2") and [r.request_id for r in router.queues[STD]] == ["q1"]
 
 
-def test_a_request_that_can_no_longer_be_on_time_is_still_served():
+def test_a_request_that_can_no_longer_be_on_time_is_given_up_or_served_late():
+    for shed_late in (True, False):
+        router = make_router(shed_late=shed_late)
+        ready(router, "s0")
+        placed = fill(router, "s0", STD, 3)
+        assert router.submit(request("late", STD, arrival=0.0), 0.0).outcome is Outcome.QUEUED
+        assert router.submit(request("next", STD, arrival=4.5), 4.5).outcome is Outcome.QUEUED
+        router.on_finished(placed[0].request_id, 100, 5.0)  # 5 s later: its 1 s TTFT is long gone
+        out = router.retry_queued(5.0)
+        if shed_late:  # given up, for the caller to answer; the room goes to the next one, still on time
+            assert [p.request.request_id for p in out] == ["next"] and not out[0].request.late
+            assert [r.request_id for r in router.take_shed()] == ["late"] and router.take_shed() == []
+            assert "late" not in router.requests and router.counts["shed"] == 1
+        else:
+            assert [p.request.request_id for p in out] == ["late"] and out[0].request.late
+            assert router.take_shed() == []
+
+
+def test_a_request_queued_again_after_its_instance_was_lost_is_never_given_up():
     router = make_router()
     ready(router, "s0")
     placed = fill(router, "s0", STD, 3)
-    assert router.submit(request("late", STD, arrival=0.0), 0.0).outcome is Outcome.QUEUED
-    router.on_finished(placed[0].request_id, 100, 5.0)  # 5 s later: its 1 s TTFT is long gone
-    out = router.retry_queued(5.0)
-    assert [p.request.request_id for p in out] == ["late"] and out[0].request.late
+    lost = router.on_lost("s0", 0.5)
+    assert {r.request_id for r in lost} == {r.request_id for r in placed}
+    for r in lost:
+        assert router.submit(r, 0.5, readmit=True).outcome is Outcome.QUEUED  # nothing serves
+    router.add_instance("s1", 5.0)
+    out = router.on_ready("s1", CAPACITY, 5.0)  # 5 s on: every first token is past due
+    assert sorted(p.request.request_id for p in out) == sorted(r.request_id for r in placed)
+    assert router.take_shed() == []
 
 
 def test_scale_down_releases_the_least_loaded_instance_once_it_holds_no_request_of_its_tier():
@@ -435,7 +458,7 @@ def test_least_loaded_admission_holds_an_instance_to_its_tightest_resident_tpot(
 
 
 def test_least_loaded_admission_queues_per_tier_and_places_when_capacity_frees():
-    router = make_router("least-loaded-admission", queue_limit=2)
+    router = make_router("least-loaded-admission", queue_limit=2, shed_late=False)
     ready(router, "a", "b")
     placed = [router.submit(request(f"r{i}", STD), 0.0).instance_id for i in range(6)]
     assert placed == ["a", "b"] * 3  # both full

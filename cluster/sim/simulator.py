@@ -56,6 +56,7 @@ class SimConfig:
     max_num_batched_tokens: int = 4096
     max_prefill_chunk: int = 2048  # PolyServe's chunk cap; the static budget of FCFS and EDF
     queue_limit: int = 256
+    shed_late: bool = True  # the router gives up a queued request that can no longer be on time (Router)
     tick_s: float = 0.05
     fast_forward: bool = True
     # how every step's true time departs from the model's prediction (host time, bias, noise, stalls); the router
@@ -165,7 +166,7 @@ class Simulator:
         cfg = self.config
         autoscaler = Autoscaler(cfg.autoscale) if cfg.autoscale is not None else None
         return Router(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
-                      queue_limit=cfg.queue_limit, max_prefill_chunk=cfg.max_prefill_chunk,
+                      queue_limit=cfg.queue_limit, shed_late=cfg.shed_late, max_prefill_chunk=cfg.max_prefill_chunk,
                       expected_output_tokens=expected_output, seed=cfg.seed, **self.router_kwargs)
 
     def _new_instance(self, now: float) -> str:
@@ -333,6 +334,12 @@ class Simulator:
     def _dispatch(self, placements) -> None:
         for p in placements:
             self._place(self._requests_by_id[p.request.request_id], p.instance_id, self._now)
+        for routed in self.router.take_shed():
+            sreq = self._requests_by_id[routed.request_id]
+            self._unfinished -= 1
+            self._rejected.add(sreq.request_id)
+            if sreq.tally is not None:
+                sreq.tally.missed += 1
 
     def _on_finish(self, inst: SimInstance, finished: list[SimRequest], now: float) -> None:
         self._sync_reports(now)
