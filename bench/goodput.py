@@ -1,12 +1,41 @@
-"""Goodput of PolyServe and the baselines in the simulator, against the fluid optimal bound.
+"""Goodput of PolyServe and the baselines in the simulator, against the fluid bound of each goodput rule.
 
-    python -m bench.goodput [--quick] [--fleet 64] [--fleet-sizes 8,16,32,64,128,256] [--seeds 2] [--processes 2]
-                            [--latency-profile FILE] [--trace azure2023_conv] [--out bench/results]
-    python -m bench.goodput --scan-only [--policies polyserve] [--scan-rel-tol 0.02]   (the fleet-size scan alone)
+    python -m bench.goodput [--quick] [--prediction-error gpu-typical] [--workloads conv-4tier,code-4tier,...]
+                            [--policies polyserve,random,...] [--ablations] [--fleets 8,16,64] [--leader-fleets 256]
+                            [--seeds 2] [--processes 2] [--latency-profile FILE] [--out bench/results]
+    python -m bench.goodput --experiments autoscaled,speed,calibration,scan   (the other experiments; matrix too)
+    python -m bench.goodput --experiments scan --scan-fleets 256 --scan-rel-tol 0.02 [--scan-bracket LOW,HIGH]
+    python -m bench.goodput --replot bench/results/goodput.json   (only redraw the plots of a saved report)
+
+The default run is the goodput matrix (DESIGN.md §6), the fleet stepping on the --prediction-error truth
+(scheduler/prediction_error.py) that no predictor sees: every policy x every workload of
+cluster.sim.workload.MATRIX_WORKLOADS x --fleets instances, and --leader-fleets for PolyServe and the best
+baseline of each workload (the best at the largest of --fleets). Per cell: the headline goodput (every tier >= 90 %
+attaining) and the strict one (>= 99 % of all requests), each the highest rate passing on every seed below the
+lowest failing one (cluster.sim.goodput.search_goodput; "?" marks one not confirmed by a failure within the
+tolerance above it), its share of the fluid bound of the same rule, its ratio to the best baseline of the cell,
+and each tier's attainment at the headline goodput under the three views of DESIGN.md §1 (cumulative deadlines,
+mean TPOT, max inter-token gap). Beside it, the error sweep: PolyServe's and the best baseline's headline score
+(the worst tier's attainment) over a few rates with each prediction-error preset, conv-4tier at 16 instances.
+
+Written to <out>/goodput.json (a run without the matrix: goodput_<experiments>.json), plots (PNG) to <out>:
+goodput_ratio_heatmap.png (PolyServe's headline goodput over the best baseline's, workload x fleet size),
+tier_attainment_at_goodput.png (conv-4tier at the largest fleet every policy ran), attainment_vs_rate_by_error.png
+(the error sweep); the other experiments draw phase_change.png, calibration.png, goodput_vs_fleet_size.png.
+
+Cost on this machine (2 cores): --quick (fleets 8 and 16, an 8 s window after 4 s, seeds 1 and 2, searched to
+8 %) took QUICK_WALL on 2 processes. The full matrix (fleets 8, 16, 64 and 256, a 12 s window after 8 s, searched to
+3 %) is estimated at FULL_WALL; see make_plan and cell_jobs for what keeps it there.
+
+Other experiments (--experiments): autoscaled: PolyServe autoscaled through conv-phase's phase change, SLO-attaining
+requests per instance-second held; speed: the time to simulate the whole conversation trace at 64 instances;
+calibration: the engine against the simulator, one engine in-process and a fleet of engine processes through the
+live router; scan: per-instance goodput of --policies (default polyserve) over --scan-fleets, in a longer window,
+with seeds enough for --scan-instance-runs instance-runs per probe (the first of --workloads).
 
 Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
-JSON. KV pool: what the weights leave of 90 % of 141 GB (scheduler/roofline.py). Lengths: the Azure conversation
-trace; Poisson arrivals; the four default tiers (cluster/sim/workload.py), equal shares unless --mix.
+JSON. KV pool: what the weights leave of 90 % of 141 GB (scheduler/roofline.py). Tiers: the four default tiers
+(cluster/sim/workload.py); Poisson arrivals, lengths drawn from the workload's trace.
 
 Policies (router, engine batch policy):
   polyserve          polyserve router (tiers, load gradient, lazy promotion    PolyServePolicy
@@ -23,15 +52,8 @@ Policies (router, engine batch policy):
   lmetric            LMetric (arXiv 2603.15202): least new prefill tokens x    PolyServePolicy
                      batch size
   polyserve-no-gradient / -no-promotion / -eager-promotion / -promotion-before-scale-up: the ablations (the
-                     Router's gradient/promotion switches; the last is DESIGN.md §2's order)
+                     Router's gradient/promotion switches; the last is DESIGN.md §2's order), with --ablations
 
-Prints (and writes to <out>/goodput.json): the fluid bound per tier; goodput of each policy at --fleet instances
-(bisection on the rate, pooled over --seeds, >= 90 % attaining in the measured window); per-instance goodput over
---fleet-sizes for PolyServe and the best baseline (a longer window, and seeds enough for --scan-instance-runs
-instance-runs per probe: see `Plan`); the autoscaled fleet through a phase change (the tier mix
-inverts mid-run), attaining requests per instance-second; per-tier TTFT/TPOT percentiles; the time to simulate
-one hour of the trace at 64 instances; the engine-versus-simulator calibration, one engine in-process and a fleet of
-engine processes through the live router. Plots (PNG) go to <out>.
 Figures are virtual-time results of the simulator; wall times are this machine's CPU.
 """
 from __future__ import annotations
@@ -47,17 +69,19 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from cluster.autoscaler import ScalingLimits
-from cluster.sim.goodput import (EVERY_TIER, RULES, FluidBound, GoodputRule, TierCapacity, autoscaled_goodput,
-                                 fluid_bound, search_goodput)
+from cluster.sim.goodput import (EVERY_TIER, RULES, STRICT, FluidBound, GoodputRule, GoodputSearch,
+                                 autoscaled_goodput, fluid_bound, search_goodput)
 from cluster.sim.simulator import SimConfig, SimResult, Simulator
-from cluster.sim.workload import DEFAULT_MIX, TierMix, WorkloadFactory, default_tiers, load_trace
-from scheduler.prediction_error import PREDICTION_ERRORS, PredictionError, expected_latency_model, prediction_error
+from cluster.sim.workload import (MATRIX_WORKLOADS, TierMix, Workload, WorkloadFactory, WorkloadSpec, default_tiers,
+                                  load_trace, workload_spec)
 from scheduler.chunking import largest_chunk
 from scheduler.latency_model import LatencyModel, scaled
+from scheduler.prediction_error import PREDICTION_ERRORS, PredictionError, expected_latency_model, prediction_error
 from scheduler.profile_table import ProfileTable
 from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import TierSet
@@ -68,14 +92,18 @@ BASELINES = ("random", "round-robin", "least-loaded", "co-chunk", "mixed-deadlin
 ABLATIONS = ("polyserve-no-gradient", "polyserve-no-promotion", "polyserve-eager-promotion",
              "polyserve-promotion-before-scale-up")
 POLICIES = ("polyserve",) + BASELINES + ABLATIONS
+VIEWS = ("cumulative", "mean_tpot", "max_gap")  # SimResult.tier_attainment's views of attaining (DESIGN.md §1)
+EXPERIMENTS = ("matrix", "autoscaled", "speed", "calibration", "scan")
+REFERENCE_WORKLOAD = "conv-4tier"  # the default workload: the error sweep's and the tier-attainment plot's
+SPEED_INSTANCES = 64
 
 
 @dataclass(slots=True, frozen=True)
 class Setup:
-    """What every worker process rebuilds the same way (`build_setup`)."""
-    trace: str
+    """What every worker process rebuilds the same way (`build_setup`): a workload of the matrix, the latency
+    model, the measured window (`window_s` after `warmup_s`; a run ends with it) and the fleet's true step time."""
+    workload: WorkloadSpec
     latency_profile: str | None
-    mix: tuple[float, ...]
     warmup_s: float
     window_s: float
     prediction_error: str = "gpu-typical"  # scheduler.prediction_error.PREDICTION_ERRORS: the fleet's true step time
@@ -84,13 +112,24 @@ class Setup:
     def error(self) -> PredictionError:
         return prediction_error(self.prediction_error)
 
+    @property
+    def window(self) -> tuple[float, float]:
+        return self.warmup_s, self.warmup_s + self.window_s
+
+    def poisson(self, rate: float, seed: int) -> Workload:
+        """One run's requests: Poisson arrivals at `rate` up to the window's end, the mix inverting mid-window for
+        a workload with a phase change."""
+        end = self.window[1]
+        return build_setup(self).workloads.poisson(rate, end, seed, self.workload.phase_change_at(self.window))
+
     def bound(self, rule: GoodputRule | None = EVERY_TIER) -> FluidBound:
         """The fluid bound of `rule` (None: every request attaining) for this setup's tier mix and lengths (a long
-        Poisson sample of them)."""
+        Poisson sample of them, its phase change half way through), on the fleet's expected step time."""
         built = build_setup(self)
         base = SimConfig()
-        return fluid_bound(expected_latency_model(built.model, self.error),
-                           built.workloads.poisson(200.0, 200.0, seed=0), base.kv_blocks * base.block_size,
+        sample = built.workloads.poisson(200.0, 200.0, seed=0,
+                                         phase_change_at=self.workload.phase_change_at((0.0, 200.0)))
+        return fluid_bound(expected_latency_model(built.model, self.error), sample, base.kv_blocks * base.block_size,
                            base.max_num_seqs, rule)
 
 
@@ -113,8 +152,8 @@ def build_setup(setup: Setup) -> BuiltSetup:
 def _workloads(setup: Setup, model: LatencyModel, config: SimConfig) -> tuple[TierSet, WorkloadFactory]:
     """The default tiers of `model`, and workloads of `setup`'s trace and mix for a deployment as `config`."""
     tiers = default_tiers(model)
-    return tiers, WorkloadFactory(load_trace(setup.trace), tiers, model, config.kv_blocks * config.block_size,
-                                  config.max_prefill_chunk, TierMix(setup.mix))
+    return tiers, WorkloadFactory(load_trace(setup.workload.trace), tiers, model, config.kv_blocks * config.block_size,
+                                  config.max_prefill_chunk, TierMix(setup.workload.mix))
 
 
 def co_chunk_budget(model, tiers, bound: FluidBound) -> int:
@@ -148,22 +187,149 @@ def make_simulator(policy: str, num_instances: int, model, tiers, co_budget: int
 
 
 # ---- jobs: each runs in a worker process ----------------------------------------------------------------------
+def _simulate(setup: Setup, policy: str, num_instances: int, co_budget: int, rate: float, seed: int,
+              give_up_below: float | None = None) -> SimResult:
+    """One run of `policy` on `setup` at `rate`; with `give_up_below`, stopped once the window's pooled attainment
+    can no longer reach it."""
+    built = build_setup(setup)
+    sim = make_simulator(policy, num_instances, built.model, built.tiers, co_budget, seed=seed,
+                         prediction_error=setup.error)
+    return sim.run(setup.poisson(rate, seed), window=setup.window, give_up_below=give_up_below)
+
+
 def _score(setup: Setup, policy: str, num_instances: int, co_budget: int, rule: str, rate: float, seed: int) -> float:
     """The score of `rule` in the measured window; NaN for a run given up once its pooled attainment fell below the
     rule's target (then no rule can pass)."""
-    built = build_setup(setup)
-    duration = setup.warmup_s + setup.window_s
-    window = (setup.warmup_s, duration)
-    sim = make_simulator(policy, num_instances, built.model, built.tiers, co_budget, seed=seed,
-                         prediction_error=setup.error)
     goodput_rule = RULES[rule]
-    res = sim.run(built.workloads.poisson(rate, duration, seed), window=window, give_up_below=goodput_rule.target)
-    return math.nan if res.aborted else goodput_rule.score(res.attainment(window), res.tier_attainment(window))
+    res = _simulate(setup, policy, num_instances, co_budget, rate, seed, give_up_below=goodput_rule.target)
+    if res.aborted:
+        return math.nan
+    return goodput_rule.score(res.attainment(setup.window), res.tier_attainment(setup.window))
+
+
+def _search_summary(found: GoodputSearch) -> dict:
+    return {"goodput": found.goodput, "confirmed": found.confirmed, "next_failing": found.next_failing,
+            "probes": [(p.rate, float(np.min(p.scores)), list(p.scores)) for p in found.probes]}
+
+
+def _figures(res: SimResult, window: tuple[float, float]) -> dict:
+    """A whole run's figures over the requests arriving in `window`: the pooled attainment, each tier's attainment
+    under every view, and each tier's TTFT and mean TPOT percentiles (ms) over the requests served."""
+    in_window = (res.arrival >= window[0]) & (res.arrival < window[1])
+    latency = {}
+    for k, name in enumerate(res.tier_names):
+        served = in_window & (res.tier == k) & res.served
+        if served.any():
+            ttft, tpot = res.ttft[served] * 1000, res.mean_tpot[served] * 1000
+            latency[name] = {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
+                             "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99)}
+    return {"pooled": res.attainment(window),
+            "attainment": {view: res.tier_attainment(window, view) for view in VIEWS}, "latency_ms": latency}
+
+
+@dataclass(slots=True)
+class CellRuns:
+    """The runs of one cell of the matrix by (rate, seed), so that one simulation serves both rules: a whole run's
+    figures score it under either, and a run given up below one rule's target is below every higher target."""
+    setup: Setup
+    policy: str
+    num_instances: int
+    co_budget: int
+    kept: dict[tuple[float, int], dict | float] = field(default_factory=dict)  # figures, or the target given up below
+
+    def score(self, rule: GoodputRule, rate: float, seed: int) -> float:
+        """The score of `rule`; NaN for a run given up (certain to fail)."""
+        figures = self.figures(rate, seed, rule.target)
+        return math.nan if figures is None else rule.score(figures["pooled"], figures["attainment"]["cumulative"])
+
+    def figures(self, rate: float, seed: int, give_up_below: float | None = None) -> dict | None:
+        """The run's `_figures`, simulated unless kept; None when it was given up below `give_up_below` or less."""
+        kept = self.kept.get((rate, seed))
+        if kept is None or (isinstance(kept, float) and (give_up_below is None or give_up_below < kept)):
+            res = _simulate(self.setup, self.policy, self.num_instances, self.co_budget, rate, seed, give_up_below)
+            kept = self.kept[(rate, seed)] = give_up_below if res.aborted else _figures(res, self.setup.window)
+        return None if isinstance(kept, float) else kept
+
+
+# The matrix's brackets are guesses from the bound or a smaller fleet, seldom far off: widened by small steps when
+# the goodput lies outside, they need fewer probes to narrow again.
+WIDEN = 1.25
+# Where the strict search starts when no rate of the headline search passed strict, as a share of the headline
+# goodput (or of the lowest rate strict failed, if lower): strict passes near it on the matrix's workloads.
+STRICT_START = 0.8
+
+
+@dataclass(slots=True, frozen=True)
+class CellJob:
+    """One cell of the matrix: `policy` on `setup` at `num_instances`.
+
+    The headline goodput is searched from `bracket`. The strict one is searched below it: every rate the headline
+    search ran is scored under strict from the same runs (`CellRuns`), and the search starts from the highest of
+    them that strict passes (else STRICT_START x the headline goodput) up to the lowest it fails. The headline's
+    failures fail strict too: every tier of a matrix workload holds a quarter or more of the window's requests, so
+    99 % of all requests attaining leaves each tier above 90 %; and where the headline passed nowhere, strict passes
+    nowhere either. Each tier's attainment at the headline goodput is that of its first seed's run."""
+    setup: Setup
+    policy: str
+    num_instances: int
+    co_budget: int
+    seeds: tuple[int, ...]
+    bracket: tuple[float, float]
+    rel_tol: float
+
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        runs = CellRuns(self.setup, self.policy, self.num_instances, self.co_budget)
+        headline = search_goodput(functools.partial(runs.score, EVERY_TIER), self.seeds, *self.bracket, EVERY_TIER,
+                                  rel_tol=self.rel_tol, widen=WIDEN)
+        if headline.goodput > 0:
+            strict = search_goodput(functools.partial(runs.score, STRICT), self.seeds,
+                                    *self._strict_bracket(headline, runs), STRICT, rel_tol=self.rel_tol, widen=WIDEN)
+            at_headline = {"rate": headline.goodput, "seed": self.seeds[0],
+                           **runs.figures(headline.goodput, self.seeds[0])}
+        else:
+            strict, at_headline = GoodputSearch(0.0, (), False), None
+        return {"workload": self.setup.workload.name, "policy": self.policy, "num_instances": self.num_instances,
+                "rel_tol": self.rel_tol, "headline": _search_summary(headline), "strict": _search_summary(strict),
+                "at_headline": at_headline, "simulations": len(runs.kept), "wall_s": time.perf_counter() - t0}
+
+    def _strict_bracket(self, headline: GoodputSearch, runs: CellRuns) -> tuple[float, float]:
+        passes = {p.rate: all(STRICT.passes(runs.score(STRICT, p.rate, seed)) for seed in self.seeds)
+                  for p in headline.probes}
+        failing = min((rate for rate, ok in passes.items() if not ok), default=2 * headline.goodput)
+        low = max((rate for rate, ok in passes.items() if ok and rate < failing),
+                  default=STRICT_START * min(headline.goodput, failing))
+        return low, failing
+
+
+# The error sweep shows where attainment falls off; a run far past that stops here (overloaded runs are the slowest).
+SWEEP_FLOOR = 0.5
+
+
+@dataclass(slots=True, frozen=True)
+class SweepJob:
+    """One run of the error sweep: the headline score (the worst tier's attainment) and the pooled attainment, or
+    NaN for both once the pooled attainment fell below SWEEP_FLOOR (the plot's floor)."""
+    setup: Setup
+    policy: str
+    num_instances: int
+    co_budget: int
+    rate: float
+    seed: int
+
+    def run(self) -> dict:
+        res = _simulate(self.setup, self.policy, self.num_instances, self.co_budget, self.rate, self.seed,
+                        give_up_below=SWEEP_FLOOR)
+        window = self.setup.window
+        pooled = math.nan if res.aborted else res.attainment(window)
+        score = math.nan if res.aborted else EVERY_TIER.score(pooled, res.tier_attainment(window))
+        return {"policy": self.policy, "prediction_error": self.setup.prediction_error, "rate": self.rate,
+                "seed": self.seed, "score": score, "pooled": pooled}
 
 
 @dataclass(slots=True, frozen=True)
 class SearchJob:
-    """One goodput search of `policy` at `num_instances`, from the bracket [low, high] of rates."""
+    """One goodput search of the headline rule of `policy` at `num_instances`, from the bracket [low, high]."""
     setup: Setup
     policy: str
     num_instances: int
@@ -172,58 +338,39 @@ class SearchJob:
     low: float
     high: float
     rel_tol: float
-    rule: str = EVERY_TIER.name
 
     def run(self, map_fn=map, width: int = 1) -> dict:
         """Its simulations through `map_fn`, `width` rates per round (cluster.sim.goodput.search_goodput)."""
         t0 = time.perf_counter()
-        score_at = functools.partial(_score, self.setup, self.policy, self.num_instances, self.co_budget, self.rule)
-        found = search_goodput(score_at, self.seeds, self.low, self.high, RULES[self.rule], rel_tol=self.rel_tol,
+        score_at = functools.partial(_score, self.setup, self.policy, self.num_instances, self.co_budget,
+                                     EVERY_TIER.name)
+        found = search_goodput(score_at, self.seeds, self.low, self.high, EVERY_TIER, rel_tol=self.rel_tol,
                                width=width, map_fn=map_fn)
-        return {"policy": self.policy, "num_instances": self.num_instances, "rule": self.rule,
-                "goodput": found.goodput, "confirmed": found.confirmed, "next_failing": found.next_failing,
-                "probes": [(p.rate, float(np.min(p.scores)), list(p.scores)) for p in found.probes],
+        return {"policy": self.policy, "num_instances": self.num_instances, **_search_summary(found),
                 "wall_s": time.perf_counter() - t0}
 
 
 @dataclass(slots=True, frozen=True)
-class DetailJob:
-    """One run kept whole: per-tier latency arrays of the measured window and the fleet samples. With `autoscale`,
-    `num_instances` is the starting fleet."""
+class AutoscaleJob:
+    """PolyServe autoscaled within `limits` from `num_instances`, through `setup`'s phase change, at `rate`."""
     setup: Setup
-    policy: str
     num_instances: int
-    co_budget: int
     rate: float
-    duration: float
+    limits: ScalingLimits
     seed: int = 1
-    autoscale: ScalingLimits | None = None
-    phase_change_at: float | None = None
 
     def run(self) -> dict:
         built = build_setup(self.setup)
-        config = {} if self.autoscale is None else dict(autoscale=self.autoscale, cold_start_s=30.0)
-        sim = make_simulator(self.policy, self.num_instances, built.model, built.tiers, self.co_budget,
-                             seed=self.seed, prediction_error=self.setup.error, **config)
-        res = sim.run(built.workloads.poisson(self.rate, self.duration, self.seed,
-                                              phase_change_at=self.phase_change_at))
-        window = (self.setup.warmup_s, self.duration)
-        mask = (res.arrival >= window[0]) & (res.arrival < window[1])
-        per_tier = {}
-        for k, name in enumerate(res.tier_names):
-            m = mask & (res.tier == k)
-            served = m & res.served
-            per_tier[name] = {"ttft": res.ttft[served].tolist(), "mean_tpot": res.mean_tpot[served].tolist(),
-                              "max_gap": res.max_gap[served].tolist(),
-                              "attained": float(res.attained[m].mean()) if m.any() else math.nan,
-                              "attained_mean_tpot": float(res.attained_mean_tpot[m].mean()) if m.any() else math.nan,
-                              "attained_max_gap": float(res.attained_max_gap[m].mean()) if m.any() else math.nan,
-                              "tpot_ms": built.tiers[k].tpot_ms, "ttft_ms": built.tiers[k].ttft_ms}
-        return {"policy": self.policy, "rate": self.rate, "num_instances": self.num_instances,
-                "attainment": res.attainment(window), "attained_total": int(res.attained.sum()),
-                "instance_seconds": res.instance_seconds, "end_time": res.end_time, "samples": res.samples,
-                "per_tier": per_tier, "counts": res.counts, "wall_s": res.wall_s,
-                "promoted": float(res.promoted[mask].mean())}
+        sim = make_simulator("polyserve", self.num_instances, built.model, built.tiers, 0, seed=self.seed,
+                             prediction_error=self.setup.error, autoscale=self.limits, cold_start_s=30.0)
+        res = sim.run(self.setup.poisson(self.rate, self.seed))
+        window = self.setup.window
+        in_window = (res.arrival >= window[0]) & (res.arrival < window[1])
+        return {"rate": self.rate, "num_instances": self.num_instances, "duration": window[1],
+                "phase_change_at": self.setup.workload.phase_change_at(window), "attainment": res.attainment(window),
+                "attained_total": int(res.attained.sum()), "instance_seconds": res.instance_seconds,
+                "samples": res.samples, "counts": res.counts, "wall_s": res.wall_s,
+                "promoted": float(res.promoted[in_window].mean())}
 
 
 @dataclass(slots=True, frozen=True)
@@ -325,19 +472,26 @@ def run_fleet_calibration(setup: Setup, time_scale: float, num_instances: int, l
     return out
 
 
-# ---- orchestration --------------------------------------------------------------------------------------------
+# ---- plan ------------------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Plan:
-    fleet: int
-    fleet_sizes: tuple[int, ...]
+    policies: tuple[str, ...]
+    fleets: tuple[int, ...]  # every policy
+    leader_fleets: tuple[int, ...]  # PolyServe and the best baseline at the largest of `fleets` only
     seeds: tuple[int, ...]
     warmup_s: float
     window_s: float
     rel_tol: float
+    # weak baselines from `coarse_from` instances on (cell_jobs)
+    coarse_rel_tol: float
+    coarse_from: int
+    sweep_fleet: int
+    sweep_loads: tuple[float, ...]  # the error sweep's rates, as shares of the exact truth's headline bound
     # The fleet-size scan compares fleets with each other, so its window must reach the steady state of the
     # smallest: a short window hides some overload (the queue needs longer than that to push the loosest tier's
     # TTFT over), and on a small fleet the arrivals of a few seconds swing attainment. Each probe pools
     # max(1, scan_instance_runs / n) seeds, so every fleet size is measured with as many instance-runs.
+    scan_fleets: tuple[int, ...]
     scan_warmup_s: float
     scan_window_s: float
     scan_instance_runs: int
@@ -347,48 +501,75 @@ class Plan:
     speed_duration: float | None
     calibration: tuple[float, float, float]  # time scale, rate per second of scaled time, duration
     fleet_calibration: tuple[float, int, float, float] = (2.0, 4, 0.8, 8.0)  # time scale, instances, load, duration
-    policies: tuple[str, ...] = POLICIES
-    notes: list[str] = field(default_factory=list)
 
 
 def make_plan(args) -> Plan:
+    policies = ("polyserve",) + BASELINES + (ABLATIONS if args.ablations else ())
+    # A fleet starting empty meets deadlines above its steady-state goodput until its batches fill (tests/
+    # test_goodput_bound.py), so the quick run shortens the window, never the warm-up.
     if args.quick:
-        plan = Plan(fleet=8, fleet_sizes=(4, 8, 16), seeds=(1,), warmup_s=6.0, window_s=10.0, rel_tol=0.08,
-                    scan_warmup_s=6.0, scan_window_s=20.0, scan_instance_runs=8, scan_rel_tol=0.1, autoscale_max=8,
+        plan = Plan(policies, fleets=(8, 16), leader_fleets=(), seeds=(1, 2), warmup_s=8.0, window_s=6.0,
+                    rel_tol=0.1, coarse_rel_tol=0.15, coarse_from=64, sweep_fleet=16,
+                    sweep_loads=(0.4, 0.55, 0.7, 0.85, 1.0), scan_fleets=(4, 8, 16), scan_warmup_s=6.0,
+                    scan_window_s=20.0, scan_instance_runs=8, scan_rel_tol=0.1, autoscale_max=8,
                     autoscale_duration=90.0, speed_duration=600.0, calibration=(0.5, 28.0, 8.0))
     else:
-        plan = Plan(fleet=64, fleet_sizes=(8, 16, 32, 64, 128, 256), seeds=(1, 2), warmup_s=8.0, window_s=12.0,
-                    rel_tol=0.05, scan_warmup_s=12.0, scan_window_s=48.0, scan_instance_runs=64, scan_rel_tol=0.03,
+        plan = Plan(policies, fleets=(8, 16, 64), leader_fleets=(256,), seeds=(1, 2), warmup_s=8.0, window_s=12.0,
+                    rel_tol=0.03, coarse_rel_tol=0.1, coarse_from=64, sweep_fleet=16,
+                    sweep_loads=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), scan_fleets=(8, 16, 32, 64, 128, 256),
+                    scan_warmup_s=12.0, scan_window_s=48.0, scan_instance_runs=64, scan_rel_tol=0.03,
                     autoscale_max=16, autoscale_duration=240.0, speed_duration=None, calibration=(1.0, 16.0, 20.0))
-    if args.fleet:
-        plan.fleet = args.fleet
-    if args.fleet_sizes:
-        plan.fleet_sizes = tuple(int(x) for x in args.fleet_sizes.split(","))
-    if args.seeds:
-        plan.seeds = tuple(range(1, args.seeds + 1))
-    if args.scan_rel_tol:
-        plan.scan_rel_tol = args.scan_rel_tol
     if args.policies:
         plan.policies = tuple(args.policies.split(","))
         unknown = set(plan.policies) - set(POLICIES)
         if unknown:
             raise SystemExit(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
+    if args.fleets:
+        plan.fleets = _ints(args.fleets)
+    if args.leader_fleets is not None:
+        plan.leader_fleets = _ints(args.leader_fleets)
+    if args.seeds:
+        plan.seeds = tuple(range(1, args.seeds + 1))
+    if args.rel_tol:
+        plan.rel_tol = args.rel_tol
+    if args.scan_fleets:
+        plan.scan_fleets = _ints(args.scan_fleets)
+    if args.scan_rel_tol:
+        plan.scan_rel_tol = args.scan_rel_tol
     return plan
 
 
-def scan_seeds(plan: Plan, num_instances: int) -> tuple[int, ...]:
-    return tuple(range(1, 1 + max(1, math.ceil(plan.scan_instance_runs / num_instances))))
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
 
 
-def _map(pool, jobs, label: str) -> list:
-    """Every job's `run()`, through the pool when there is one; results in job order, with a progress bar."""
+# ---- processes -------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _worker_pool(processes: int):
+    """Forked worker processes (None for one process: the jobs run here), closed and joined on leaving."""
+    pool = multiprocessing.get_context("fork").Pool(processes) if processes > 1 else None
+    try:
+        yield pool
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+
+def _progress(total: int, label: str):
     from tqdm import tqdm
 
+    return tqdm(total=total, desc=label, file=sys.stderr, smoothing=0.05)
+
+
+def _map(pool, jobs, progress) -> list:
+    """Every job's `run()`, through the pool when there is one; results in job order; the `progress` bar advances
+    as each job finishes."""
     out = [None] * len(jobs)
     indexed = list(enumerate(jobs))
-    it = pool.imap_unordered(_run_indexed, indexed) if pool else map(_run_indexed, indexed)
-    for i, result in tqdm(it, total=len(jobs), desc=label, file=sys.stderr, leave=False):
+    for i, result in (pool.imap_unordered(_run_indexed, indexed) if pool else map(_run_indexed, indexed)):
         out[i] = result
+        progress.update()
     return out
 
 
@@ -397,112 +578,315 @@ def _run_indexed(indexed_job):
     return i, job.run()
 
 
-# ---- the experiments ------------------------------------------------------------------------------------------
-def describe_setup(args, plan: Plan, setup: Setup, bound: FluidBound, co_budget: int) -> dict:
-    """Prints the setup and the fluid bound per tier; returns the report's opening entries."""
+# ---- the matrix -------------------------------------------------------------------------------------------------
+# A baseline whose goodput per instance at the next smaller fleet is under this share of the best baseline's is
+# searched to the plan's coarse tolerance from `coarse_from` instances on (see matrix_jobs).
+WEAK_SHARE = 0.8
+
+
+@dataclass(slots=True, frozen=True)
+class MatrixWorkload:
+    """A workload of the matrix as set up for one prediction error: its bounds and co-chunk's budget."""
+    setup: Setup
+    bounds: dict[str, FluidBound]  # per rule name
+    co_budget: int
+
+
+def matrix_workloads(specs: list[WorkloadSpec], plan: Plan, latency_profile: str | None,
+                     error: str) -> list[MatrixWorkload]:
+    out = []
+    for spec in specs:
+        setup = Setup(spec, latency_profile, plan.warmup_s, plan.window_s, error)
+        bounds = {rule.name: setup.bound(rule) for rule in (EVERY_TIER, STRICT)}
+        built = build_setup(setup)
+        out.append(MatrixWorkload(setup, bounds, co_chunk_budget(built.model, built.tiers, bounds[EVERY_TIER.name])))
+    return out
+
+
+def best_baseline(cells: list[dict], workload: str, num_instances: int, rule: str = "headline") -> dict | None:
+    """The baseline with the highest goodput of `rule` (headline or strict) in a cell of the matrix."""
+    return max((c for c in cells if c["workload"] == workload and c["num_instances"] == num_instances
+                and c["policy"] in BASELINES), key=lambda c: c[rule]["goodput"], default=None)
+
+
+def cell_jobs(plan: Plan, workload: MatrixWorkload, cells: list[dict], num_instances: int,
+              policies: list[str]) -> list[CellJob]:
+    """The cells of `workload` and `policies` at `num_instances`, after those of the smaller fleets (`cells`).
+
+    A headline search starts from the goodput per instance the policy reached on the next smaller fleet, 0.92 to
+    1.1 x (it changes little with the fleet's size), or on the first fleet (and after a goodput of 0) from 0.5 to
+    1 x the headline bound (PolyServe lands near the top of that, the weakest baselines near the bottom). From
+    `coarse_from` instances on, a baseline under WEAK_SHARE of the best baseline's goodput per instance at the next
+    smaller fleet is searched to the coarse tolerance: it is far from being the best baseline, whose goodput alone
+    the ratios are taken against, and its runs at those fleets are the costliest of the matrix."""
+    name = workload.setup.workload.name
+    headline_bound = workload.bounds[EVERY_TIER.name].rate(num_instances)
+    jobs = []
+    for policy in policies:
+        smaller = [c for c in cells if c["workload"] == name and c["policy"] == policy
+                   and c["num_instances"] < num_instances]
+        previous = max(smaller, key=lambda c: c["num_instances"], default=None)
+        guess = previous["headline"]["goodput"] / previous["num_instances"] * num_instances if previous else 0.0
+        bracket = (0.92 * guess, 1.1 * guess) if guess > 0 else (0.5 * headline_bound, headline_bound)
+        rel_tol = plan.rel_tol
+        if previous and policy in BASELINES and num_instances >= plan.coarse_from:
+            best = best_baseline(cells, name, previous["num_instances"])
+            if previous["headline"]["goodput"] < WEAK_SHARE * best["headline"]["goodput"]:
+                rel_tol = max(plan.rel_tol, plan.coarse_rel_tol)
+        jobs.append(CellJob(workload.setup, policy, num_instances, workload.co_budget, plan.seeds, bracket, rel_tol))
+    return jobs
+
+
+def _leaders(cells: list[dict], workload: str, largest: int, policies: tuple[str, ...]) -> list[str]:
+    best = best_baseline(cells, workload, largest)
+    return [p for p in ("polyserve", best["policy"] if best else None) if p in policies]
+
+
+def sweep_jobs(plan: Plan, sweep_setups: dict[str, MatrixWorkload], policies: list[str]) -> list[SweepJob]:
+    """The error sweep: each of `policies` at each rate of the plan on every prediction-error preset, one run a
+    seed; the rates are shares of the exact truth's headline bound, the highest of the presets'."""
+    top = sweep_setups["exact"].bounds[EVERY_TIER.name].rate(plan.sweep_fleet)
+    return [SweepJob(w.setup, policy, plan.sweep_fleet, w.co_budget, load * top, seed)
+            for w in sweep_setups.values() for policy in policies for load in plan.sweep_loads for seed in plan.seeds]
+
+
+def run_matrix(pool, plan: Plan, workloads: list[MatrixWorkload], sweep_setups: dict[str, MatrixWorkload] | None,
+               checkpoint: Callable[[list[dict], list[dict]], None]) -> tuple[list[dict], list[dict]]:
+    """Every cell, a round per fleet size from the smallest (each starts its searches from the smaller fleets'
+    results), the leader fleets last; the error sweep (with `sweep_setups`) in the round after its fleet's, to keep
+    the pool busy. `checkpoint(cells, sweep runs)` after every round. Returns the cells and the sweep's runs."""
+    leader_count = ("polyserve" in plan.policies) + any(p in BASELINES for p in plan.policies)
+    total = (len(plan.policies) * len(plan.fleets) + leader_count * len(plan.leader_fleets)) * len(workloads)
+    if sweep_setups:
+        total += leader_count * len(sweep_setups) * len(plan.sweep_loads) * len(plan.seeds)
+    cells: list[dict] = []
+    sweep: list[dict] = []
+    sweep_pending = sweep_setups is not None
+
+    def sweep_ready() -> bool:
+        return sweep_pending and any(c["num_instances"] == plan.sweep_fleet for c in cells)
+
+    def sweep_round() -> list[SweepJob]:
+        return sweep_jobs(plan, sweep_setups, _leaders(cells, REFERENCE_WORKLOAD, plan.sweep_fleet, plan.policies))
+
+    rounds = [(n, False) for n in plan.fleets] + [(n, True) for n in plan.leader_fleets]
+    with _progress(total, "goodput matrix") as progress:
+        for num_instances, leaders_only in rounds:
+            jobs = []
+            for w in workloads:
+                policies = _leaders(cells, w.setup.workload.name, max(plan.fleets), plan.policies) if leaders_only \
+                    else list(plan.policies)
+                jobs += cell_jobs(plan, w, cells, num_instances, policies)
+            extra = sweep_round() if sweep_ready() else []
+            sweep_pending = sweep_pending and not extra
+            results = _map(pool, jobs + extra, progress)
+            cells += results[:len(jobs)]
+            sweep += results[len(jobs):]
+            checkpoint(cells, sweep)
+        if sweep_ready():  # its fleet's round was the last
+            sweep = _map(pool, sweep_round(), progress)
+            checkpoint(cells, sweep)
+    return cells, sweep
+
+
+def matrix_report(workloads: list[MatrixWorkload], cells: list[dict], sweep: list[dict], plan: Plan, error: str,
+                  sweep_setups: dict[str, MatrixWorkload] | None) -> dict:
+    """The matrix as goodput.json holds it: each cell with, per rule, its share of that rule's bound and its ratio to
+    the best baseline of its cell by that rule (at a leader fleet, the one baseline run there)."""
+    bounds = {w.setup.workload.name: w.bounds for w in workloads}
+    for c in cells:
+        for key, rule in (("headline", EVERY_TIER), ("strict", STRICT)):
+            best = best_baseline(cells, c["workload"], c["num_instances"], key)
+            goodput = c[key]["goodput"]
+            c[key]["of_bound"] = goodput / bounds[c["workload"]][rule.name].rate(c["num_instances"])
+            c[key]["best_baseline"] = best["policy"] if best else None
+            c[key]["vs_best"] = goodput / best[key]["goodput"] if best and best[key]["goodput"] > 0 else math.nan
+    out = {"prediction_error": error, "fleets": list(plan.fleets), "leader_fleets": list(plan.leader_fleets),
+           "policies": list(plan.policies),
+           "workloads": [{**asdict(w.setup.workload), "co_chunk_budget": w.co_budget,
+                          "bounds": {rule: _bound_entry(b) for rule, b in w.bounds.items()}} for w in workloads],
+           "cells": cells}
+    if sweep_setups:
+        out["sweep"] = {"workload": REFERENCE_WORKLOAD, "num_instances": plan.sweep_fleet,
+                        "bounds": {e: {rule: b.rate(plan.sweep_fleet) for rule, b in w.bounds.items()}
+                                   for e, w in sweep_setups.items()}, "runs": sweep}
+    return out
+
+
+def _bound_entry(bound: FluidBound) -> dict:
+    return {"per_instance": bound.rate(1), "shares": bound.shares, "tiers": [asdict(t) for t in bound.tiers]}
+
+
+def print_matrix(matrix: dict) -> None:
+    policy_order = {p: i for i, p in enumerate(POLICIES)}
+    error = matrix["prediction_error"]
+    for w in matrix["workloads"]:
+        cells = sorted((c for c in matrix["cells"] if c["workload"] == w["name"]),
+                       key=lambda c: (c["num_instances"], policy_order[c["policy"]]))
+        bounds = w["bounds"]
+        shares = ":".join(f"{s:g}" for s in w["mix"])
+        print(f"\n{w['name']}: {w['trace']}, tier shares {shares} (tightest first)"
+              f"{', inverted mid-window' if w['phase_change'] else ''}; prediction error {error}; bounds per "
+              f"instance: headline {bounds['every-tier']['per_instance']:.2f}, strict "
+              f"{bounds['strict']['per_instance']:.2f} req/s")
+        print(f"  {'inst':>4} {'policy':26} {'headline':>9} {'/inst':>6} {'bound':>6} {'vs best':>7} | "
+              f"{'strict':>8} {'bound':>6} {'vs best':>7} | per tier at headline, % cumulative / mean TPOT / "
+              f"max gap | {'wall s':>6}")
+        for c in cells:
+            h, s = c["headline"], c["strict"]
+            print(f"  {c['num_instances']:4d} {c['policy']:26} {_goodput(h):>9} "
+                  f"{h['goodput'] / c['num_instances']:6.2f} {h['of_bound']:6.1%} {_ratio(h['vs_best']):>7} | "
+                  f"{_goodput(s):>8} {s['of_bound']:6.1%} {_ratio(s['vs_best']):>7} | "
+                  f"{_tier_columns(c['at_headline'])} | {c['wall_s']:6.0f}")
+    print_ratio_summary(matrix)
+
+
+def _goodput(search: dict) -> str:
+    """'?': not confirmed, no failure within the tolerance above it, or a single seed."""
+    return f"{search['goodput']:.1f}{'' if search['confirmed'] else '?'}"
+
+
+def _ratio(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2f}x"
+
+
+def _tier_columns(at: dict | None) -> str:
+    if at is None:
+        return "-"
+    return " / ".join(" ".join(f"{100 * v:3.0f}" for v in at["attainment"][view].values()) for view in VIEWS)
+
+
+def print_ratio_summary(matrix: dict) -> None:
+    fleets = sorted({c["num_instances"] for c in matrix["cells"]})
+    print(f"\nPolyServe's goodput / the best baseline's, headline [strict] (prediction error "
+          f"{matrix['prediction_error']}; below, the best baseline [by strict, where another]):")
+    print(f"  {'workload':12}" + "".join(f" {n:>33}" for n in fleets))
+    for w in matrix["workloads"]:
+        row, names = [], []
+        for n in fleets:
+            cell = next((c for c in matrix["cells"] if c["workload"] == w["name"] and c["num_instances"] == n
+                         and c["policy"] == "polyserve"), None)
+            row.append(f"{_ratio(cell['headline']['vs_best'])} [{_ratio(cell['strict']['vs_best'])}]" if cell else "-")
+            names.append(_best_names(cell) if cell else "-")
+        print(f"  {w['name']:12}" + "".join(f" {r:>33}" for r in row))
+        print(f"  {'':12}" + "".join(f" {b:>33}" for b in names))
+
+
+def _best_names(cell: dict) -> str:
+    headline, strict = cell["headline"]["best_baseline"], cell["strict"]["best_baseline"]
+    return f"{headline or '-'}" + (f" [{strict}]" if strict != headline else "")
+
+
+def print_sweep(sweep: dict) -> None:
+    print(f"\nError sweep, {sweep['workload']} at {sweep['num_instances']} instances: the headline score (the worst "
+          f"tier's attainment, the lowest of the seeds; '<' under {SWEEP_FLOOR:.0%}) by rate")
+    rates = sorted({r["rate"] for r in sweep["runs"]})
+    print(f"  {'prediction error':18} {'policy':26}" + "".join(f"{r:8.0f}" for r in rates) + "   headline bound")
+    for error, bounds in sweep["bounds"].items():
+        for policy in dict.fromkeys(r["policy"] for r in sweep["runs"]):
+            scores = [_lowest_score(sweep["runs"], error, policy, rate) for rate in rates]
+            print(f"  {error:18} {policy:26}" + "".join(f"{'<':>8}" if math.isnan(s) else f"{s:8.1%}" for s in scores)
+                  + f"{bounds['every-tier']:12.0f}")
+
+
+def _lowest_score(runs: list[dict], error: str, policy: str, rate: float) -> float:
+    scores = [r["score"] for r in runs if r["prediction_error"] == error and r["policy"] == policy
+              and r["rate"] == rate]
+    return math.nan if any(math.isnan(s) for s in scores) else min(scores)
+
+
+# ---- the other experiments -------------------------------------------------------------------------------------
+def scan_seeds(plan: Plan, num_instances: int) -> tuple[int, ...]:
+    return tuple(range(1, 1 + max(1, math.ceil(plan.scan_instance_runs / num_instances))))
+
+
+def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple[float, float], processes: int) -> dict:
+    """Goodput per instance of each policy at each of the scan's fleet sizes, searched from `bracket` (per-instance
+    rates), printed as a table."""
+    bound = setup.bound()
     built = build_setup(setup)
-    base = SimConfig()
-    kv_tokens = base.kv_blocks * base.block_size
-    print(f"latency model: {args.latency_profile or 'roofline Llama-3.1-8B bf16 on H200'}; KV pool "
-          f"{kv_tokens:,} tokens per instance; trace {args.trace}; tier mix {setup.mix}")
-    print("\nFluid bound per tier (one instance, that tier alone):")
-    print(f"  {'tier':8} {'TPOT ms':>8} {'TTFT ms':>8} {'P':>6} {'D':>5} {'B_k':>5} {'T(B_k) ms':>9} {'req/s':>7}")
-    for t, c in zip(built.tiers, bound.tiers):
-        print(f"  {t.name:8} {t.tpot_ms:8.2f} {t.ttft_ms:8.1f} {c.mean_prompt:6.0f} {c.mean_output:5.0f} "
-              f"{c.batch:5d} {c.iteration_s * 1000:9.2f} {c.requests_per_s:7.2f}")
-    print(f"  mix {tuple(round(s, 3) for s in bound.shares)}: lambda* = {bound.rate(1):.2f} req/s per instance; "
-          f"co-chunk static budget {co_budget} tokens")
-    return {"plan": asdict(plan), "setup": asdict(setup), "kv_capacity_tokens": kv_tokens, "co_chunk_budget": co_budget,
-            "tiers": [{"name": t.name, "tpot_ms": t.tpot_ms, "ttft_ms": t.ttft_ms} for t in built.tiers],
-            "bound": [asdict(c) for c in bound.tiers], "bound_shares": bound.shares}
-
-
-def compare_policies(pool, plan: Plan, setup: Setup, co_budget: int, bound: FluidBound) -> list[dict]:
-    """Goodput of every policy at the main fleet, printed against the bound and the best baseline."""
-    lam = bound.rate(plan.fleet)
-    # the ablations on the first seed only: they are the costliest runs (the router's test on every placement)
-    jobs = [SearchJob(setup, p, plan.fleet, co_budget, plan.seeds[:1] if p in ABLATIONS else plan.seeds,
-                      0.75 * lam, lam, plan.rel_tol) for p in plan.policies]
-    searches = _map(pool, jobs, f"goodput at {plan.fleet} instances")
-    best = best_baseline(searches)
-    print(f"\nGoodput at {plan.fleet} instances (every tier >= 90 % attaining on every seed; seeds {plan.seeds}, "
-          f"ablations seed 1; "
-          f"lambda* = {lam:.1f} req/s):")
-    print(f"  {'policy':26} {'req/s':>8} {'per inst':>8} {'of bound':>8} {'vs best baseline':>16} {'wall s':>7}")
-    for s in searches:
-        ratio = s["goodput"] / best["goodput"] if best and best["goodput"] else math.nan
-        print(f"  {s['policy']:26} {s['goodput']:8.1f} {s['goodput'] / plan.fleet:8.2f} "
-              f"{s['goodput'] / lam:8.1%} {ratio:15.2f}x {s['wall_s']:7.0f}")
-    return searches
-
-
-def best_baseline(searches: list[dict]) -> dict | None:
-    return max((s for s in searches if s["policy"] in BASELINES), key=lambda s: s["goodput"], default=None)
-
-
-def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], brackets: dict[str, tuple[float, float]],
-             co_budget: int, bound: FluidBound, processes: int = 1) -> list[dict]:
-    """Goodput of each policy at each fleet size (searched from `brackets`: per-instance rates), printed as a
-    table."""
-    jobs = [SearchJob(setup, p, n, co_budget, scan_seeds(plan, n), brackets[p][0] * n, brackets[p][1] * n,
-                      plan.scan_rel_tol) for p in policies for n in plan.fleet_sizes]
-    if len(jobs) == 1 and pool is not None:  # one search: the pool runs its probes, several rates per round
-        job = jobs[0]
-        scan = [job.run(pool.map, max(1, processes // len(job.seeds)))]
-    else:
-        # largest fleets first: they take longest, so the pool stays busy to the end
-        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
-        scan = _map(pool, [jobs[i] for i in order], "fleet-size scan")
-        scan = [scan[order.index(i)] for i in range(len(jobs))]
-    print(f"\nGoodput per instance by fleet size (req/s per instance; window {setup.window_s:.0f} s after "
-          f"{setup.warmup_s:.0f} s; seeds per probe: {plan.scan_instance_runs} instance-runs / instances; "
-          f"searched to {plan.scan_rel_tol:.0%}):")
+    co_budget = co_chunk_budget(built.model, built.tiers, bound)
+    jobs = [SearchJob(setup, p, n, co_budget, scan_seeds(plan, n), bracket[0] * n, bracket[1] * n, plan.scan_rel_tol)
+            for p in policies for n in plan.scan_fleets]
+    with _progress(len(jobs), "fleet-size scan") as progress:
+        if len(jobs) == 1 and pool is not None:  # one search: the pool runs its probes, several rates per round
+            job = jobs[0]
+            searches = [job.run(pool.map, max(1, processes // len(job.seeds)))]
+            progress.update()
+        else:
+            # largest fleets first: they take longest, so the pool stays busy to the end
+            order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
+            ran = _map(pool, [jobs[i] for i in order], progress)
+            searches = [ran[order.index(i)] for i in range(len(jobs))]
+    print(f"\nGoodput per instance by fleet size, {setup.workload.name} (req/s per instance; window "
+          f"{setup.window_s:.0f} s after {setup.warmup_s:.0f} s; seeds per probe: {plan.scan_instance_runs} "
+          f"instance-runs / instances; searched to {plan.scan_rel_tol:.0%}):")
     print("  " + f"{'instances':>10}{'seeds':>6}" + "".join(f"{p:>18}" for p in policies) + f"{'bound':>10}")
-    for n in plan.fleet_sizes:
-        row = [next(s for s in scan if s["policy"] == p and s["num_instances"] == n) for p in policies]
+    for n in plan.scan_fleets:
+        row = [next(s for s in searches if s["policy"] == p and s["num_instances"] == n) for p in policies]
         print("  " + f"{n:>10}{len(scan_seeds(plan, n)):>6}" + "".join(f"{r['goodput'] / n:18.2f}" for r in row)
               + f"{bound.rate(1):10.2f}")
-    return scan
+    return {"workload": setup.workload.name, "fleets": list(plan.scan_fleets), "bound_per_instance": bound.rate(1),
+            "searches": searches}
 
 
-def autoscale_job(plan: Plan, skewed: Setup, skewed_bound: FluidBound, co_budget: int) -> DetailJob:
-    """PolyServe autoscaled through a phase change: the skewed mix, inverted half way, at 0.6 x the bound of the
-    largest fleet allowed, starting from the fleet that carries it at 0.8 x the bound per instance."""
-    rate = 0.6 * skewed_bound.rate(plan.autoscale_max)
-    start_fleet = max(2, math.ceil(rate / (0.8 * skewed_bound.rate(1))))
+def autoscale_job(plan: Plan, latency_profile: str | None, error: str) -> AutoscaleJob:
+    """PolyServe autoscaled through conv-phase's phase change, at 0.6 x the headline bound of the largest fleet
+    allowed, starting from the fleet that carries it at 0.8 x the bound per instance."""
+    setup = Setup(workload_spec("conv-phase"), latency_profile, plan.warmup_s, plan.autoscale_duration - plan.warmup_s,
+                  error)
+    bound = setup.bound()
+    rate = 0.6 * bound.rate(plan.autoscale_max)
+    start_fleet = max(2, math.ceil(rate / (0.8 * bound.rate(1))))
     limits = ScalingLimits(min_instances=2, max_instances=plan.autoscale_max, idle_pool=2, stop_after_idle_s=10.0)
-    return DetailJob(skewed, "polyserve", start_fleet, co_budget, rate, plan.autoscale_duration, autoscale=limits,
-                     phase_change_at=plan.autoscale_duration / 2)
+    return AutoscaleJob(setup, start_fleet, rate, limits)
 
 
-def print_latency(details: list[dict], rate: float, fleet: int) -> None:
-    print(f"\nPer-tier latency at {rate:.0f} req/s on {fleet} instances (measured window; "
-          f"attainment: cumulative / mean-TPOT / max-gap views):")
-    print(f"  {'policy':16} {'tier':8} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} {'attained':>22}")
-    for d in details:
-        for name, t in d["per_tier"].items():
-            ttft = np.array(t["ttft"]) * 1000
-            tpot = np.array(t["mean_tpot"]) * 1000
-            tpot = tpot[~np.isnan(tpot)]
-            print(f"  {d['policy']:16} {name:8} {_pct(ttft, 50):8.0f} / {_pct(ttft, 99):7.0f} "
-                  f"{_pct(tpot, 50):8.1f} / {_pct(tpot, 99):7.1f} "
-                  f"{t['attained']:6.1%} / {t['attained_mean_tpot']:6.1%} / {t['attained_max_gap']:6.1%}")
+def run_experiments(pool, plan: Plan, args, names: list[str], workload: WorkloadSpec, report: dict) -> None:
+    """The experiments besides the matrix that `names` holds, each printed and added to `report`."""
+    setup = Setup(workload, args.latency_profile, plan.warmup_s, plan.window_s, args.prediction_error)
+    jobs = {}
+    if "autoscaled" in names:
+        jobs["autoscaled"] = autoscale_job(plan, args.latency_profile, args.prediction_error)
+    if "speed" in names:
+        jobs["speed"] = SpeedJob(setup, SPEED_INSTANCES, plan.speed_duration)
+    if "calibration" in names:
+        jobs["calibration"] = CalibrationJob(setup, *plan.calibration, seed=1)
+    if jobs:
+        with _progress(len(jobs), "experiments") as progress:
+            report.update(zip(jobs, _map(pool, list(jobs.values()), progress)))
+    if "autoscaled" in names:
+        auto = report["autoscaled"]
+        bound = jobs["autoscaled"].setup.bound()
+        print(f"\nAutoscaled PolyServe, conv-phase at {auto['rate']:.0f} req/s for {auto['duration']:.0f} s, the tier "
+              f"mix inverted at {auto['phase_change_at']:.0f} s ({auto['num_instances']} instances at the start, "
+              f"2..{plan.autoscale_max}, 2 warm idle, 30 s cold start): attainment {auto['attainment']:.1%} (after "
+              f"{plan.warmup_s:.0f} s), {autoscaled_goodput(auto['attained_total'], auto['instance_seconds']):.2f} "
+              f"attaining requests per instance-second held ({auto['instance_seconds']:.0f} instance-s; "
+              f"{auto['promoted']:.1%} promoted); headline bound {bound.rate(1):.2f} req/s per instance")
+    if "speed" in names:
+        speed = report["speed"]
+        print(f"\nSpeed: {speed['trace_s']:.0f} s of {workload.trace} as recorded ({speed['requests']} requests) at "
+              f"{SPEED_INSTANCES} instances, PolyServe: {speed['wall_s']:.1f} s wall on one core ({speed['steps']:,} "
+              f"steps, {speed['policy_calls']:,} batch-policy calls; attainment {speed['attainment']:.1%})")
+    if "calibration" in names:
+        print_calibration(report["calibration"])
+        report["fleet_calibration"] = run_fleet_calibration(setup, *plan.fleet_calibration)  # alone: real time
+        print_fleet_calibration(report["fleet_calibration"])
+    if "scan" in names:
+        scan_setup = Setup(workload, args.latency_profile, plan.scan_warmup_s, plan.scan_window_s,
+                           args.prediction_error)
+        per_instance = scan_setup.bound().rate(1)
+        bracket = _ints_pair(args.scan_bracket) if args.scan_bracket else (0.85 * per_instance, 1.15 * per_instance)
+        policies = list(plan.policies) if args.policies else ["polyserve"]
+        report["scan"] = run_scan(pool, plan, scan_setup, policies, bracket, args.processes)
 
 
-def print_autoscaled(auto: dict, job: DetailJob, plan: Plan, skewed_bound: FluidBound) -> None:
-    per_inst_s = autoscaled_goodput(auto["attained_total"], auto["instance_seconds"])
-    print(f"\nAutoscaled PolyServe, {job.rate:.0f} req/s for {job.duration:.0f} s, tier mix {DEFAULT_MIX} "
-          f"inverted at {job.phase_change_at:.0f} s ({job.num_instances} instances at the start, "
-          f"2..{plan.autoscale_max}, 2 warm idle, 30 s cold start): attainment {auto['attainment']:.1%} (after "
-          f"{plan.warmup_s:.0f} s), {per_inst_s:.2f} attaining requests per instance-second held "
-          f"({auto['instance_seconds']:.0f} instance-s; {auto['promoted']:.1%} promoted); fluid bound "
-          f"{skewed_bound.rate(1):.2f} req/s per instance")
-
-
-def print_speed(speed: dict, trace: str, num_instances: int) -> None:
-    print(f"\nSpeed: {speed['trace_s']:.0f} s of {trace} as recorded ({speed['requests']} requests) at "
-          f"{num_instances} instances, PolyServe: {speed['wall_s']:.1f} s wall on one core ({speed['steps']:,} steps, "
-          f"{speed['policy_calls']:,} batch-policy calls; attainment {speed['attainment']:.1%})")
+def _ints_pair(text: str) -> tuple[float, float]:
+    bracket = tuple(float(x) for x in text.split(","))
+    if len(bracket) != 2 or not 0 < bracket[0] < bracket[1]:
+        raise SystemExit(f"--scan-bracket wants LOW,HIGH with 0 < LOW < HIGH, got {text!r}")
+    return bracket
 
 
 def print_calibration(calib: dict) -> None:
@@ -534,125 +918,85 @@ def print_fleet_calibration(fleet: dict) -> None:
               f"{_pct(lp, 50):10.2f} / {_pct(sp, 50):6.2f} {_pct(lp, 90):6.2f} / {_pct(sp, 90):5.2f}")
 
 
-# ---- the two modes --------------------------------------------------------------------------------------------
+# ---- main ------------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small fleets, short runs, one seed (a few minutes)")
-    ap.add_argument("--fleet", type=int, default=None, help="fixed fleet of the policy comparison (full: 64)")
-    ap.add_argument("--fleet-sizes", default=None, help="comma-separated fleet sizes of the scaling scan")
-    ap.add_argument("--seeds", type=int, default=None)
-    ap.add_argument("--scan-rel-tol", type=float, default=None,
-                    help="relative tolerance of the fleet-size scan's search")
-    ap.add_argument("--scan-only", action="store_true",
-                    help="only the fleet-size scan, of --policies (default: polyserve), from the fluid bound")
-    ap.add_argument("--scan-bracket", default=None, metavar="LOW,HIGH",
-                    help="with --scan-only: per-instance rates the search starts from (default 0.85 and 1.15 x "
-                         "the fluid bound)")
-    ap.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(POLICIES)}")
-    ap.add_argument("--processes", type=int, default=2)
-    ap.add_argument("--latency-profile", default=None, help="profile JSON (default: the H200 roofline model)")
-    ap.add_argument("--trace", default="azure2023_conv")
-    ap.add_argument("--mix", default="1,1,1,1", help="tier shares, tightest first (default: equal)")
+    ap.add_argument("--quick", action="store_true", help="fleets 8 and 16, short windows, coarse searches")
+    ap.add_argument("--experiments", default="matrix",
+                    help=f"comma-separated subset of {','.join(EXPERIMENTS)} (default: matrix)")
+    ap.add_argument("--workloads", default=",".join(s.name for s in MATRIX_WORKLOADS),
+                    help="comma-separated workloads of cluster.sim.workload.MATRIX_WORKLOADS (default: all)")
+    ap.add_argument("--policies", default=None, help=f"comma-separated subset of {','.join(POLICIES)} (default: "
+                                                     f"polyserve and the baselines)")
+    ap.add_argument("--ablations", action="store_true", help="PolyServe's ablations in the matrix too")
+    ap.add_argument("--fleets", default=None, help="comma-separated fleet sizes every policy runs (full: 8,16,64)")
+    ap.add_argument("--leader-fleets", default=None,
+                    help="fleet sizes only PolyServe and the best baseline run (full: 256; '' for none)")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds per probe (default 2: a confirmation needs two)")
+    ap.add_argument("--rel-tol", type=float, default=None, help="relative tolerance of the matrix's searches")
     ap.add_argument("--prediction-error", default="gpu-typical", choices=list(PREDICTION_ERRORS),
                     help="the fleet's true step time against the model every predictor uses (default gpu-typical)")
+    ap.add_argument("--processes", type=int, default=2)
+    ap.add_argument("--latency-profile", default=None, help="profile JSON (default: the H200 roofline model)")
+    ap.add_argument("--scan-fleets", default=None, help="comma-separated fleet sizes of the fleet-size scan")
+    ap.add_argument("--scan-rel-tol", type=float, default=None,
+                    help="relative tolerance of the fleet-size scan's search")
+    ap.add_argument("--scan-bracket", default=None, metavar="LOW,HIGH",
+                    help="per-instance rates the scan's searches start from (default 0.85 and 1.15 x the bound)")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the plots of a goodput.json")
+    ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the plots of a saved report")
     return ap.parse_args(argv)
-
-
-@contextlib.contextmanager
-def _worker_pool(processes: int):
-    """Forked worker processes (None for one process: the jobs run here), closed and joined on leaving."""
-    pool = multiprocessing.get_context("fork").Pool(processes) if processes > 1 else None
-    try:
-        yield pool
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-
-
-def scan_only(args, plan: Plan, scan_setup: Setup, policies: list[str], bound: FluidBound,
-              co_budget: int) -> list[dict]:
-    """The fleet-size scan alone, every policy searched from one bracket of per-instance rates."""
-    lam1 = bound.rate(1)
-    bracket = tuple(float(x) for x in args.scan_bracket.split(",")) if args.scan_bracket \
-        else (0.85 * lam1, 1.15 * lam1)
-    if len(bracket) != 2 or not 0 < bracket[0] < bracket[1]:
-        raise SystemExit(f"--scan-bracket wants LOW,HIGH with 0 < LOW < HIGH, got {args.scan_bracket!r}")
-    with _worker_pool(args.processes) as pool:
-        return run_scan(pool, plan, scan_setup, policies, {p: bracket for p in policies}, co_budget, bound,
-                        args.processes)
-
-
-def every_experiment(args, plan: Plan, setup: Setup, scan_setup: Setup, bound: FluidBound, co_budget: int,
-                     report: dict) -> None:
-    """The policy comparison, the fleet-size scan of PolyServe and the best baseline, per-tier latency at a common
-    load, the autoscaled fleet through a phase change, the simulator's speed and both calibrations, each printed
-    and added to `report`."""
-    with _worker_pool(args.processes) as pool:
-        searches = report["comparison"] = compare_policies(pool, plan, setup, co_budget, bound)
-        best = best_baseline(searches)
-        scan_policies = [p for p in ("polyserve", best["policy"] if best else None) if p]
-        # the comparison's short window flatters every policy a little: start the search from its figures
-        guesses = {s["policy"]: (s["goodput"] / plan.fleet) or 0.5 * bound.rate(1) for s in searches}
-        report["scan"] = run_scan(pool, plan, scan_setup, scan_policies,
-                                  {p: (0.85 * g, 1.15 * g) for p, g in guesses.items()}, co_budget, bound,
-                                  args.processes)
-        # the remaining runs together, so the pool stays busy
-        compared = [s["goodput"] for s in searches if s["policy"] in scan_policies]
-        common_rate = 0.8 * min(compared) if all(g > 0 for g in compared) else 0.5 * bound.rate(plan.fleet)
-        latency_jobs = [DetailJob(setup, p, plan.fleet, co_budget, common_rate, plan.warmup_s + plan.window_s)
-                        for p in scan_policies]
-        skewed = Setup(args.trace, args.latency_profile, DEFAULT_MIX, plan.warmup_s, plan.window_s,
-                       args.prediction_error)
-        skewed_bound = skewed.bound()
-        auto_job = autoscale_job(plan, skewed, skewed_bound, co_budget)
-        speed_instances = 64
-        results = _map(pool, [*latency_jobs, auto_job, SpeedJob(setup, speed_instances, plan.speed_duration),
-                              CalibrationJob(setup, *plan.calibration, seed=1)], "detail runs")
-    details, auto, speed, calib = results[:len(latency_jobs)], results[-3], results[-2], results[-1]
-    report["latency"] = [{k: v for k, v in d.items() if k != "samples"} for d in details]
-    print_latency(details, common_rate, plan.fleet)
-    report["autoscaled"] = {k: v for k, v in auto.items() if k != "per_tier"}
-    print_autoscaled(auto, auto_job, plan, skewed_bound)
-    report["speed"] = speed
-    print_speed(speed, args.trace, speed_instances)
-    report["calibration"] = calib
-    print_calibration(calib)
-    report["fleet_calibration"] = run_fleet_calibration(setup, *plan.fleet_calibration)
-    print_fleet_calibration(report["fleet_calibration"])
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.replot:
-        write_plots(json.loads(Path(args.replot).read_text()), Path(args.out))
-        return
-    plan = make_plan(args)
-    mix = tuple(float(x) for x in args.mix.split(","))
-    setup = Setup(args.trace, args.latency_profile, mix, plan.warmup_s, plan.window_s, args.prediction_error)
-    scan_setup = Setup(args.trace, args.latency_profile, mix, plan.scan_warmup_s, plan.scan_window_s,
-                       args.prediction_error)
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    bound = setup.bound()
-    built = build_setup(setup)
-    co_budget = co_chunk_budget(built.model, built.tiers, bound)
-    report = describe_setup(args, plan, setup, bound, co_budget)
-    if args.scan_only:
-        policies = list(plan.policies) if args.policies else ["polyserve"]
-        report["scan"] = scan_only(args, plan, scan_setup, policies, bound, co_budget)
-        _write_report(report, out_dir / "goodput_scan.json", t_start)
-        plot_scan(report["scan"], policies, plan.fleet_sizes, bound.rate(1), out_dir / "goodput_vs_fleet_size.png")
-        print(f"\nwrote {out_dir}/goodput_scan.json and goodput_vs_fleet_size.png; total wall time "
-              f"{report['wall_s']:.0f} s")
+    if args.replot:
+        write_plots(json.loads(Path(args.replot).read_text()), out_dir)
         return
-    every_experiment(args, plan, setup, scan_setup, bound, co_budget, report)
-    _write_report(report, out_dir / "goodput.json", t_start)
+    names = args.experiments.split(",")
+    unknown = set(names) - set(EXPERIMENTS)
+    if unknown:
+        raise SystemExit(f"unknown experiments {sorted(unknown)}; known: {', '.join(EXPERIMENTS)}")
+    specs = [workload_spec(name) for name in args.workloads.split(",")]
+    plan = make_plan(args)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / ("goodput.json" if "matrix" in names else f"goodput_{'_'.join(names)}.json")
+    t_start = time.perf_counter()
+    report = describe_setup(args, plan, specs[0])
+    # setups built before the workers fork, so that they inherit them
+    workloads = matrix_workloads(specs, plan, args.latency_profile, args.prediction_error) \
+        if "matrix" in names else []
+    sweep_wanted = workloads and REFERENCE_WORKLOAD in (s.name for s in specs) and plan.sweep_fleet in plan.fleets
+    sweep_setups = {e: matrix_workloads([workload_spec(REFERENCE_WORKLOAD)], plan, args.latency_profile, e)[0]
+                    for e in PREDICTION_ERRORS} if sweep_wanted else None
+    with _worker_pool(args.processes) as pool:
+        if workloads:
+            def checkpoint(cells, sweep):
+                report["matrix"] = matrix_report(workloads, cells, sweep, plan, args.prediction_error, sweep_setups)
+                _write_report(report, path, t_start)
+
+            run_matrix(pool, plan, workloads, sweep_setups, checkpoint)
+            print_matrix(report["matrix"])
+            if "sweep" in report["matrix"]:
+                print_sweep(report["matrix"]["sweep"])
+        run_experiments(pool, plan, args, names, specs[0], report)
+    _write_report(report, path, t_start)
     write_plots(report, out_dir)
-    print(f"\nwrote {out_dir}/goodput.json and plots; total wall time {report['wall_s']:.0f} s")
+    print(f"\nwrote {path} and plots; total wall time {report['wall_s']:.0f} s")
+
+
+def describe_setup(args, plan: Plan, workload: WorkloadSpec) -> dict:
+    """Prints the deployment and the tiers; returns the report's opening entries."""
+    built = build_setup(Setup(workload, args.latency_profile, plan.warmup_s, plan.window_s, args.prediction_error))
+    base = SimConfig()
+    kv_tokens = base.kv_blocks * base.block_size
+    print(f"latency model: {args.latency_profile or 'roofline Llama-3.1-8B bf16 on H200'}; KV pool {kv_tokens:,} "
+          f"tokens per instance; prediction error {args.prediction_error}; tiers (TPOT / TTFT ms): "
+          + ", ".join(f"{t.name} {t.tpot_ms:g} / {t.ttft_ms:g}" for t in built.tiers))
+    return {"plan": asdict(plan), "prediction_error": args.prediction_error, "latency_profile": args.latency_profile,
+            "kv_capacity_tokens": kv_tokens,
+            "tiers": [{"name": t.name, "tpot_ms": t.tpot_ms, "ttft_ms": t.ttft_ms} for t in built.tiers]}
 
 
 def _write_report(report: dict, path: Path, t_start: float) -> None:
@@ -661,11 +1005,12 @@ def _write_report(report: dict, path: Path, t_start: float) -> None:
 
 
 def _pct(a: np.ndarray, q: float) -> float:
+    a = a[~np.isnan(a)]
     return float(np.percentile(a, q)) if len(a) else math.nan
 
 
 def _rounded(o):
-    """Floats to 5 significant digits (the latency arrays are most of the file)."""
+    """Floats to 5 significant digits (the calibration's latency arrays are most of the file)."""
     if isinstance(o, float):
         return float(f"{o:.5g}")
     if isinstance(o, dict):
@@ -683,19 +1028,20 @@ def _json_default(o):
 
 # ---- plots ----------------------------------------------------------------------------------------------------
 def write_plots(report: dict, out_dir: Path) -> None:
-    """Every figure, from the report alone (so --replot can redraw them)."""
+    """Every figure of what the report holds, from the report alone (so --replot can redraw them)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = report["plan"]
-    bound = FluidBound(tuple(TierCapacity(**c) for c in report["bound"]), tuple(report["bound_shares"]))
-    plot_attainment_vs_rate(report["comparison"], bound.rate(plan["fleet"]), plan["fleet"],
-                            out_dir / "attainment_vs_rate.png")
-    scan_policies = list(dict.fromkeys(s["policy"] for s in report["scan"]))
-    plot_scan(report["scan"], scan_policies, tuple(plan["fleet_sizes"]), bound.rate(1),
-              out_dir / "goodput_vs_fleet_size.png")
-    plot_latency(report["latency"], out_dir / "tier_latency.png")
-    plot_phase_change(report["autoscaled"], [t["name"] for t in report["tiers"]],
-                      plan["autoscale_duration"] / 2, out_dir / "phase_change.png")
-    plot_calibration(report["calibration"], out_dir / "calibration.png")
+    if "matrix" in report:
+        matrix = report["matrix"]
+        plot_ratio_heatmap(matrix, out_dir / "goodput_ratio_heatmap.png")
+        plot_tier_attainment(matrix, out_dir / "tier_attainment_at_goodput.png")
+        if matrix.get("sweep", {}).get("runs"):
+            plot_error_sweep(matrix["sweep"], out_dir / "attainment_vs_rate_by_error.png")
+    if "scan" in report:
+        plot_scan(report["scan"], out_dir / "goodput_vs_fleet_size.png")
+    if "autoscaled" in report:
+        plot_phase_change(report["autoscaled"], [t["name"] for t in report["tiers"]], out_dir / "phase_change.png")
+    if "calibration" in report:
+        plot_calibration(report["calibration"], out_dir / "calibration.png")
 
 
 def _plt():
@@ -707,36 +1053,104 @@ def _plt():
     return plt
 
 
-def plot_attainment_vs_rate(searches: list[dict], lam: float, fleet: int, path: Path) -> None:
+def plot_ratio_heatmap(matrix: dict, path: Path) -> None:
+    """PolyServe's headline goodput over the best baseline's, workload x fleet size, the best baseline named."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for s in searches:
-        probes = sorted(p for p in s["probes"] if not math.isnan(p[1]))
-        line, = ax.plot([p[0] for p in probes], [p[1] for p in probes], marker="o", ms=3,
-                        ls="-" if not s["policy"].startswith("polyserve-") else ":", label=s["policy"])
-        stopped = [p[0] for p in s["probes"] if math.isnan(p[1])]
-        ax.plot(stopped, [0.0] * len(stopped), marker="x", ls="none", color=line.get_color())
-    ax.axhline(EVERY_TIER.target, color="grey", lw=0.8)
-    ax.axvline(lam, color="black", ls="--", lw=0.8, label="fluid bound")
-    ax.set_xlabel("arrival rate (req/s)")
-    ax.set_ylabel("SLO attainment (measured window)")
-    ax.set_title(f"Attainment vs rate, {fleet} instances: the goodput search's probes (x at 0: a run stopped "
-                 f"early, certain to be below 90 %)", fontsize=9)
-    ax.set_ylim(0, 1.02)
-    ax.legend(fontsize=7)
+    from matplotlib.colors import TwoSlopeNorm
+
+    workloads = [w["name"] for w in matrix["workloads"]]
+    fleets = sorted({c["num_instances"] for c in matrix["cells"]})
+    ratio = np.full((len(workloads), len(fleets)), np.nan)
+    labels = [[""] * len(fleets) for _ in workloads]
+    for c in matrix["cells"]:
+        if c["policy"] == "polyserve":
+            i, j = workloads.index(c["workload"]), fleets.index(c["num_instances"])
+            ratio[i, j] = c["headline"]["vs_best"]
+            labels[i][j] = f"{_ratio(ratio[i, j])}\n{c['headline']['best_baseline'] or ''}"
+    fig, ax = plt.subplots(figsize=(2.2 * len(fleets) + 2, 0.8 * len(workloads) + 1.6))
+    finite = ratio[np.isfinite(ratio)]
+    spread = max(0.05, float(np.max(np.abs(finite - 1.0)))) if len(finite) else 0.5
+    image = ax.imshow(ratio, cmap="RdBu", norm=TwoSlopeNorm(1.0, 1.0 - spread, 1.0 + spread), aspect="auto")
+    for i in range(len(workloads)):
+        for j in range(len(fleets)):
+            dark = abs(ratio[i, j] - 1.0) > 0.6 * spread  # NaN compares False
+            ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=8, color="white" if dark else "black")
+    ax.set_xticks(range(len(fleets)), [str(n) for n in fleets])
+    ax.set_yticks(range(len(workloads)), workloads)
+    ax.set_xlabel("instances")
+    fig.colorbar(image, ax=ax, label="PolyServe / best baseline")
+    ax.set_title(f"Headline goodput (every tier >= 90 %), PolyServe over the best baseline of the cell "
+                 f"({matrix['prediction_error']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_scan(scan: list[dict], policies: list[str], sizes: tuple[int, ...], bound_per_instance: float,
-              path: Path) -> None:
+def plot_tier_attainment(matrix: dict, path: Path) -> None:
+    """Each tier's attainment at each policy's headline goodput, under the three views: conv-4tier (else the first
+    workload) at the largest fleet every policy ran."""
     plt = _plt()
+    names = [w["name"] for w in matrix["workloads"]]
+    workload = REFERENCE_WORKLOAD if REFERENCE_WORKLOAD in names else names[0]
+    fleet = max(matrix["fleets"])
+    cells = [c for c in matrix["cells"] if c["workload"] == workload and c["num_instances"] == fleet]
+    tiers = list(dict.fromkeys(t for c in cells if c["at_headline"] for t in c["at_headline"]["attainment"]["cumulative"]))
+    fig, axes = plt.subplots(len(VIEWS), 1, figsize=(max(8.0, 1.3 * len(cells)), 2.8 * len(VIEWS)), sharex=True)
+    width = 0.8 / max(1, len(tiers))
+    x = np.arange(len(cells))
+    for ax, view in zip(axes, VIEWS):
+        for k, tier in enumerate(tiers):
+            values = [c["at_headline"]["attainment"][view].get(tier, np.nan) if c["at_headline"] else np.nan
+                      for c in cells]
+            ax.bar(x + (k - (len(tiers) - 1) / 2) * width, values, width, label=tier)
+        ax.axhline(EVERY_TIER.target, color="grey", lw=0.8)
+        ax.set_ylim(0, 1.02)
+        ax.set_ylabel(f"attaining ({view.replace('_', ' ')})", fontsize=8)
+    axes[0].legend(fontsize=7, ncol=len(tiers), loc="lower right")
+    axes[-1].set_xticks(x, [f"{c['policy']}\n{c['headline']['goodput']:.0f} req/s" for c in cells], fontsize=7,
+                        rotation=20)
+    axes[0].set_title(f"{workload}, {fleet} instances: per-tier attainment at each policy's headline goodput "
+                      f"({matrix['prediction_error']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_error_sweep(sweep: dict, path: Path) -> None:
+    """The headline score against the rate, one panel per prediction-error preset."""
+    plt = _plt()
+    errors = list(sweep["bounds"])
+    policies = list(dict.fromkeys(r["policy"] for r in sweep["runs"]))
+    rates = sorted({r["rate"] for r in sweep["runs"]})
+    fig, axes = plt.subplots(1, len(errors), figsize=(4.2 * len(errors), 4), sharey=True, squeeze=False)
+    for ax, error in zip(axes[0], errors):
+        for policy in policies:
+            scores = [_lowest_score(sweep["runs"], error, policy, rate) for rate in rates]
+            line, = ax.plot(rates, scores, marker="o", ms=3, label=policy)
+            given_up = [r for r, s in zip(rates, scores) if math.isnan(s)]
+            ax.plot(given_up, [0.0] * len(given_up), marker="x", ls="none", color=line.get_color())
+        ax.axhline(EVERY_TIER.target, color="grey", lw=0.8)
+        ax.axvline(sweep["bounds"][error]["every-tier"], color="black", ls="--", lw=0.8, label="headline bound")
+        ax.set_title(error, fontsize=9)
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylim(-0.03, 1.02)
+    axes[0][0].set_ylabel("worst tier's attainment (lowest seed)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{sweep['workload']}, {sweep['num_instances']} instances (x at 0: given up, under "
+                 f"{SWEEP_FLOOR:.0%} pooled)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scan(scan: dict, path: Path) -> None:
+    plt = _plt()
+    sizes = scan["fleets"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for p in policies:
-        ax.plot(sizes, [next(s["goodput"] for s in scan if s["policy"] == p and s["num_instances"] == n) / n
-                        for n in sizes], marker="o", label=p)
-    ax.axhline(bound_per_instance, color="black", ls="--", lw=0.8, label="fluid bound")
+    for p in dict.fromkeys(s["policy"] for s in scan["searches"]):
+        ax.plot(sizes, [next(s["goodput"] for s in scan["searches"] if s["policy"] == p and s["num_instances"] == n)
+                        / n for n in sizes], marker="o", label=p)
+    ax.axhline(scan["bound_per_instance"], color="black", ls="--", lw=0.8, label="headline bound")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.set_xlabel("instances")
@@ -748,7 +1162,7 @@ def plot_scan(scan: list[dict], policies: list[str], sizes: tuple[int, ...], bou
     plt.close(fig)
 
 
-def plot_phase_change(auto: dict, tier_names: list[str], change_at: float, path: Path) -> None:
+def plot_phase_change(auto: dict, tier_names: list[str], path: Path) -> None:
     plt = _plt()
     samples = auto["samples"]
     t = [s[0] for s in samples]
@@ -756,36 +1170,11 @@ def plot_phase_change(auto: dict, tier_names: list[str], change_at: float, path:
     counts = np.array([s[1] for s in samples])
     ax.stackplot(t, *counts.T, [s[2] for s in samples], labels=[*tier_names, "idle pool"], alpha=0.8)
     ax.plot(t, [s[3] for s in samples], color="black", lw=1, label="live (incl. starting)")
-    ax.axvline(change_at, color="red", ls="--", lw=1, label="tier mix inverts")
+    ax.axvline(auto["phase_change_at"], color="red", ls="--", lw=1, label="tier mix inverts")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("instances")
     ax.set_title("Autoscaled PolyServe: instances per tier through a phase change", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_latency(details: list[dict], path: Path) -> None:
-    plt = _plt()
-    names = list(details[0]["per_tier"])
-    fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6), squeeze=False)
-    for d in details:
-        for j, name in enumerate(names):
-            t = d["per_tier"][name]
-            for row, key, slo in ((0, "ttft", t["ttft_ms"]), (1, "mean_tpot", t["tpot_ms"])):
-                v = np.sort(np.array(t[key]) * 1000)
-                v = v[~np.isnan(v)]
-                ax = axes[row][j]
-                if len(v):
-                    ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=d["policy"])
-                ax.axvline(slo, color="grey", ls="--", lw=0.8)
-                ax.set_xlabel(f"{'TTFT' if row == 0 else 'mean TPOT'} (ms), {name}")
-                ax.set_ylim(0, 1)
-    axes[0][0].set_ylabel("CDF")
-    axes[1][0].set_ylabel("CDF")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("Per-tier TTFT and TPOT (dashed: the tier's SLO)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

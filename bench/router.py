@@ -170,8 +170,9 @@ def bench_placement_simulated(num_instances: int, loads: tuple[float, ...], dura
                               seed: int = 1) -> dict:
     """Decisions after `warmup_s` of virtual time (the fleet fills from empty first)."""
     from bench.goodput import Setup, build_setup, make_simulator
+    from cluster.sim.workload import workload_spec
 
-    setup = Setup("azure2023_conv", None, (1.0, 1.0, 1.0, 1.0), 0.0, duration_s)
+    setup = Setup(workload_spec("conv-4tier"), None, 0.0, duration_s)
     built = build_setup(setup)
     bound = setup.bound()
     figures = {}

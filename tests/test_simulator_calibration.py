@@ -46,10 +46,10 @@ def _quietest(replay):
     return min(attempts, key=lambda r: r.stall_s / r.wall_s)
 
 
-def _compared(cfg: SimConfig, tiers, model, w, replay):
+def _compared(cfg: SimConfig, tiers, model, w, replay, policy_factory=None):
     """The quietest live run, and the simulator on the same workload with the run's host time per step."""
     live = _quietest(replay)
-    return w, live, simulated_with_host_time(cfg, tiers, model, w, live)
+    return w, live, simulated_with_host_time(cfg, tiers, model, w, live, policy_factory)
 
 
 def _workload(model, tiers, cfg: SimConfig, rate: float, duration: float):
@@ -66,12 +66,13 @@ def runs(tmp_path_factory):
     w = _workload(model, tiers, cfg, RATE, DURATION)
     folder = write_emulated_model_folder(tmp_path_factory.mktemp("m"))
 
-    def replay():
-        policy = PolyServePolicy(model, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                 cfg.max_prefill_chunk)
-        return replay_on_engine(w, model, policy, folder, cfg.kv_blocks, clock="real")
+    def policy(*_):  # the same on both sides: the model as given, no headroom
+        return PolyServePolicy(model, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk)
 
-    return _compared(cfg, tiers, model, w, replay)
+    def replay():
+        return replay_on_engine(w, model, policy(), folder, cfg.kv_blocks, clock="real")
+
+    return _compared(cfg, tiers, model, w, replay, policy)
 
 
 def test_every_request_served_by_both(runs):
@@ -116,14 +117,15 @@ FLEET_DURATION = 8.0
 def fleet_runs(tmp_path_factory):
     model = emulated_latency_model(FLEET_TIME_SCALE)
     tiers = default_tiers(model)
-    cfg = SimConfig(num_instances=FLEET_SIZE, reveal_output_len=True)
+    cfg = SimConfig(num_instances=FLEET_SIZE, reveal_output_len=True, shed_late=False)  # every request served
     w = _workload(model, tiers, cfg, FLEET_RATE, FLEET_DURATION)
     folder = write_emulated_model_folder(tmp_path_factory.mktemp("fleet"))
 
     def replay():
         return asyncio.run(replay_on_fleet(
             w, FLEET_TIME_SCALE, FLEET_SIZE, folder, cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.max_prefill_chunk, model=model))
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.max_prefill_chunk, model=model,
+            shed_late=cfg.shed_late))
 
     return _compared(cfg, tiers, model, w, replay)
 

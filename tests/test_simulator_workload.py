@@ -239,3 +239,20 @@ def test_search_probes_several_rates_per_round():
     assert len(rounds) < len(bisection.probes)  # fewer rounds than bisection's one probe per round
     with pytest.raises(ValueError, match="width"):
         search_goodput(attainment, seeds=(1,), low=1.0, high=2.0, rule=EVERY_TIER, width=0)
+
+
+def test_search_widens_its_bracket_by_the_factor_given():
+    probed = []
+
+    def attainment(rate, seed):
+        probed.append(rate)
+        return 0.95 if rate <= 60.0 else 0.5
+
+    found = search_goodput(attainment, seeds=(1,), low=100.0, high=120.0, rule=EVERY_TIER, rel_tol=0.01, widen=1.25)
+    assert probed[:3] == pytest.approx([100.0, 80.0, 64.0])  # the low end fails: divided by 1.25 until one passes
+    assert 60.0 / 1.01 <= found.goodput <= 60.0
+    probed.clear()
+    search_goodput(attainment, seeds=(1,), low=10.0, high=20.0, rule=EVERY_TIER, rel_tol=0.01, widen=1.25)
+    assert probed[:3] == pytest.approx([10.0, 20.0, 25.0])  # both pass: the best passing rate times 1.25
+    with pytest.raises(ValueError, match="widen"):
+        search_goodput(attainment, seeds=(1,), low=1.0, high=2.0, rule=EVERY_TIER, widen=1.0)

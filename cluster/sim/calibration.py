@@ -11,7 +11,9 @@ Two clocks for the engine:
 
 `replay_on_fleet` does the same for a whole fleet: emulated engine processes (cluster.worker) behind the live
 router service (cluster/service.py), the workload's requests sent through it in real time, against the simulator
-with as many instances.
+with as many instances. Its engines may sleep a prediction-error truth (scheduler/prediction_error.py) rather than
+the model itself; the host time is then what a step took beyond the truth it slept, which the replay rebuilds from
+the engines' seeds and step reports.
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ import dataclasses
 import gc
 import json
 import time
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -36,10 +39,11 @@ from cluster.sim.workload import REFUSED, Workload
 from engine.config import EngineConfig
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
-from engine.serving import freeze_startup_heap
+from engine.serving import QueueFullError, freeze_startup_heap
 from scheduler.attainment import measure_request
+from scheduler.headroom import Headroom
 from scheduler.latency_model import LatencyModel
-from scheduler.prediction_error import EXACT, PredictionError, StepTruth
+from scheduler.prediction_error import EXACT, StepTruth, prediction_error
 from scheduler.roofline import LLAMA_3_1_8B, ModelShape
 from scheduler.types import BatchPolicy
 
@@ -76,7 +80,7 @@ class EngineReplay:
     token_times: list[list[float] | None]
     num_steps: int
     wall_s: float
-    # host time per step: measured step time - the model's prediction ~ step_overhead_s + per_seq * sequences,
+    # host time per step: measured step time - the time the executor slept ~ step_overhead_s + per_seq * sequences,
     # least squares (non-negative) over the last steps the engine kept
     step_overhead_s: float
     step_overhead_per_seq_s: float
@@ -152,7 +156,8 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
                 else:
                     time.sleep(max(0.0, arrivals[i] - now()))
                     gaps.append(now() - arrivals[i])  # a late wake-up delays the arrival like a gap between steps
-    return EngineReplay(token_times, steps, time.monotonic() - t0, *host_time(engine.step_stats, model, gaps))
+    slept = [model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens) for s in engine.step_stats]
+    return EngineReplay(token_times, steps, time.monotonic() - t0, *host_time(engine.step_stats, slept, gaps))
 
 
 @contextlib.contextmanager
@@ -175,9 +180,10 @@ def _distinct_prompt(i: int, length: int) -> list[int]:
 @dataclass(slots=True, frozen=True)
 class FleetReplay:
     """Emit times (seconds from the workload's start, on the router's clock) of every request's tokens, workload
-    order; None: refused at admission, or ended without its whole output (counted in `failed`)."""
+    order; None: refused by the router (counted in `refused`), or ended without its whole output (in `failed`)."""
     token_times: list[list[float] | None]
     failed: int
+    refused: int  # answered 429: a full queue, or shed once it could no longer be on time
     wall_s: float
     steps: dict[str, int]  # steps each engine reported
     # as EngineReplay's, fitted to the step reports of every engine
@@ -191,53 +197,71 @@ class FleetReplay:
 class _ReportKeepingService(RouterService):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.step_reports: list[protocol.StepReport] = []
-        self.steps: Counter[str] = Counter()
+        self.step_reports: defaultdict[str, list[protocol.StepReport]] = defaultdict(list)  # per instance, in order
 
     def _on_message(self, link, msg) -> None:
         if isinstance(msg, protocol.StepReport):
-            self.step_reports.append(msg)
-            self.steps[link.instance_id] += 1
+            self.step_reports[link.instance_id].append(msg)
         super()._on_message(link, msg)
 
 
 async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: int, model_folder: str,
                           num_kv_blocks: int, *, max_num_seqs: int, max_num_batched_tokens: int,
-                          max_prefill_chunk: int, model: LatencyModel) -> FleetReplay:
-    """Runs `workload` through a live fleet: `num_instances` emulated engine processes (each sleeping `model`, the
-    emulated latency model at `time_scale`, per step; batch policy PolyServe), attached to a RouterService whose
-    Router (policy polyserve, no autoscaler: the fleet is fixed, as in the simulator) places every request. Each
-    request is sent at its arrival with max_tokens = its output length (ignore_eos), so it ends exactly there."""
-    router = Router(workload.tiers, model, max_prefill_chunk=max_prefill_chunk,
+                          max_prefill_chunk: int, model: LatencyModel, prediction_error: str = "exact",
+                          step_seed: int = 0, shed_late: bool = True) -> FleetReplay:
+    """Runs `workload` through a live fleet: `num_instances` emulated engine processes (each sleeping, per step,
+    the truth of `model`, the emulated latency model at `time_scale`, under the `prediction_error` preset, its draws
+    seeded by `step_seed` and its instance id; batch policy PolyServe), attached to a RouterService whose Router
+    (policy polyserve, no autoscaler: the fleet is fixed, as in the simulator) places every request. Each request
+    is sent at its arrival with max_tokens = its output length (ignore_eos), so it ends exactly there. `shed_late`:
+    the Router's (False: every request served, however late)."""
+    router = Router(workload.tiers, model, max_prefill_chunk=max_prefill_chunk, shed_late=shed_late,
                     expected_output_tokens=float(workload.output_lens.mean()) if len(workload) else 128.0)
     launcher = LocalLauncher(EngineConfig(model=model_folder, executor="emulated", num_kv_blocks=num_kv_blocks,
                                           time_scale=time_scale, max_num_seqs=max_num_seqs,
                                           max_num_batched_tokens=max_num_batched_tokens,
-                                          max_prefill_chunk=max_prefill_chunk))
+                                          max_prefill_chunk=max_prefill_chunk, prediction_error=prediction_error,
+                                          step_seed=step_seed))
     service = _ReportKeepingService(router, launcher=launcher, heartbeat_timeout_s=10.0)
     await service.start()
     try:
         for k in range(num_instances):
             await service.attach(*await launcher.start(f"engine-{k}"))
         with _heap_frozen():
-            token_times, failed, wall, lags = await _send_all(service, workload)
+            token_times, failed, refused, wall, lags = await _send_all(service, workload)
     finally:
         await service.stop()
-    return FleetReplay(token_times, failed, wall, dict(service.steps),
-                       *host_time(service.step_reports, model, lags))
+    reports = [r for steps in service.step_reports.values() for r in steps]
+    slept = _slept(service.step_reports, model, prediction_error, step_seed)
+    return FleetReplay(token_times, failed, refused, wall,
+                       {instance_id: len(steps) for instance_id, steps in service.step_reports.items()},
+                       *host_time(reports, slept, lags))
 
 
-async def _send_all(service: RouterService, workload: Workload) -> tuple[list[list[float] | None], int, float,
+def _slept(step_reports: dict[str, list[protocol.StepReport]], model: LatencyModel, error: str,
+           step_seed: int) -> list[float]:
+    """What each engine's executor slept for each of its reported steps, in `step_reports`' order: its StepTruth
+    rebuilt as build_engine builds it (same model, preset and seed), asked for every step in turn, so that each
+    step gets the same draw the engine's did (an engine reports every step it runs)."""
+    slept = []
+    for instance_id, steps in step_reports.items():
+        truth = StepTruth(model, prediction_error(error), f"{step_seed}/{instance_id}")
+        slept += [truth.duration(r.num_prefill_tokens, r.num_decode_seqs, r.num_kv_tokens, r.num_seqs) for r in steps]
+    return slept
+
+
+async def _send_all(service: RouterService, workload: Workload) -> tuple[list[list[float] | None], int, int, float,
                                                                           list[float]]:
-    """Every request through `service` at its arrival; the token times, the failures, the wall time, and how late
-    the event loop woke up every 10 ms (the router's own process held up)."""
+    """Every request through `service` at its arrival; the token times, the failures, the requests the router
+    refused (429), the wall time, and how late the event loop woke up every 10 ms (the router's own process held
+    up)."""
     n = len(workload)
     token_times: list[list[float] | None] = [None] * n
-    failed = 0
+    failed = refused = 0
     t0 = time.monotonic()  # the service's clock
 
     async def send(i: int) -> None:
-        nonlocal failed
+        nonlocal failed, refused
         tier = workload.tiers[int(workload.tier_index[i])]
         out = int(workload.output_lens[i])
         await asyncio.sleep(max(0.0, t0 + float(workload.arrivals[i]) - time.monotonic()))
@@ -247,6 +271,9 @@ async def _send_all(service: RouterService, workload: Workload) -> tuple[list[li
                                                SamplingParams(max_tokens=out, ignore_eos=True), tier.name, tier.slo,
                                                t0 + float(workload.arrivals[i])):
                 pass
+        except QueueFullError:
+            refused += 1
+            return
         except Exception:
             failed += 1
             return
@@ -266,16 +293,16 @@ async def _send_all(service: RouterService, workload: Workload) -> tuple[list[li
     await asyncio.gather(*(send(i) for i in range(n) if workload.tier_index[i] != REFUSED))
     wall = time.monotonic() - t0
     watcher.cancel()
-    return token_times, failed, wall, lags
+    return token_times, failed, refused, wall, lags
 
 
-def host_time(stats, model: LatencyModel, gaps: list[float] = ()) -> tuple[float, float, float]:
-    """What steps took beyond the model's prediction: a (constant, per sequence) fit, and the stall, the time the
-    fit does not explain (steps more than STALL_THRESHOLD_S over it, and `gaps` longer than that)."""
+def host_time(stats, slept: Sequence[float], gaps: list[float] = ()) -> tuple[float, float, float]:
+    """What steps took beyond what the executor slept in each (`slept`, one entry per step of `stats`): a
+    (constant, per sequence) fit, and the stall, the time the fit does not explain (steps more than
+    STALL_THRESHOLD_S over it, and `gaps` longer than that)."""
     if len(stats) < 2:
         return 0.0, 0.0, 0.0
-    extra = np.array([s.duration - model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens)
-                      for s in stats])
+    extra = np.array([s.duration for s in stats]) - np.asarray(slept, dtype=float)
     seqs = np.array([s.num_seqs for s in stats], dtype=float)
     a = np.vstack([np.ones_like(seqs), seqs]).T
     const, per_seq = np.linalg.lstsq(a, extra, rcond=None)[0]
@@ -289,10 +316,15 @@ def host_time(stats, model: LatencyModel, gaps: list[float] = ()) -> tuple[float
 
 
 def simulated_with_host_time(config: SimConfig, tiers, model: LatencyModel, workload: Workload,
-                             replay: EngineReplay | FleetReplay) -> SimResult:
-    """The simulator on `workload` with `replay`'s fitted host time added to every step."""
-    host_time_error = PredictionError(host_s=replay.step_overhead_s, host_per_seq_s=replay.step_overhead_per_seq_s)
-    return Simulator(dataclasses.replace(config, prediction_error=host_time_error), tiers, model).run(workload)
+                             replay: EngineReplay | FleetReplay,
+                             policy_factory: Callable[[LatencyModel, Headroom], BatchPolicy] | None = None) -> SimResult:
+    """The simulator on `workload` with `replay`'s fitted host time added to every step, on top of the host time
+    of the config's prediction error; `policy_factory` as the Simulator takes it (the live engine's policy)."""
+    error = config.prediction_error
+    with_host_time = dataclasses.replace(error, host_s=error.host_s + replay.step_overhead_s,
+                                         host_per_seq_s=error.host_per_seq_s + replay.step_overhead_per_seq_s)
+    return Simulator(dataclasses.replace(config, prediction_error=with_host_time), tiers, model,
+                     policy_factory=policy_factory).run(workload)
 
 
 def attained(workload: Workload, token_times: list[list[float] | None]) -> np.ndarray:

@@ -173,15 +173,16 @@ class GoodputSearch:
 
 def search_goodput(score_at: Callable[[float, int], float], seeds: Sequence[int], low: float, high: float,
                    rule: GoodputRule, rel_tol: float = 0.03, max_probes: int = 16, width: int = 1,
-                   map_fn: Callable = map) -> GoodputSearch:
+                   map_fn: Callable = map, widen: float = 2.0) -> GoodputSearch:
     """Search for the highest rate at which `rule` passes on every seed.
 
     `score_at(rate, seed)` runs one simulation and answers the rule's score of its window; it may answer NaN for a
     run it gave up on (certain to fail). A rate passes when every seed's run passes. Attainment falls with the rate
     only up to noise (refused requests cost no capacity, so a heavier load can score higher), so a passing rate
     above one that failed does not count: the answer is the highest passing rate below the lowest failing one, and
-    the search narrows that bracket until failing / passing - 1 <= rel_tol. [low, high] is widened (halving low,
-    doubling high) until it holds a pass and a failure.
+    the search narrows that bracket until failing / passing - 1 <= rel_tol. [low, high] is widened (low divided by
+    `widen`, high multiplied by it, a step a round) until it holds a pass and a failure: a bracket that is a good
+    guess widens best by a small factor, one that may be far off by a large one.
 
     `width` rates are probed per round, all their runs through `map_fn` (a process pool's `map` runs them at
     once): the first round probes low and high together, each later one splits the bracket into width + 1 equal
@@ -190,6 +191,8 @@ def search_goodput(score_at: Callable[[float, int], float], seeds: Sequence[int]
         raise ValueError("need 0 < low < high and at least one seed")
     if width < 1:
         raise ValueError(f"width must be at least 1, got {width}")
+    if not widen > 1:
+        raise ValueError(f"widen must exceed 1, got {widen}")
     probes: list[Probe] = []
 
     def probe(rates: list[float]) -> None:
@@ -208,11 +211,11 @@ def search_goodput(score_at: Callable[[float, int], float], seeds: Sequence[int]
         lo, hi = bracket()
         if lo is None:  # even the lowest rate fails
             lowest = min(p.rate for p in probes)
-            if lowest / 2 < 1e-6:
+            if lowest / widen < 1e-6:
                 break
-            probe([lowest / 2 ** (i + 1) for i in range(width)])
+            probe([lowest / widen ** (i + 1) for i in range(width)])
         elif math.isinf(hi):  # nothing above the best passing rate failed yet
-            probe([high] if all(p.rate != high for p in probes) else [lo * 2 ** (i + 1) for i in range(width)])
+            probe([high] if all(p.rate != high for p in probes) else [lo * widen ** (i + 1) for i in range(width)])
         elif hi / lo - 1 <= rel_tol:
             break
         else:

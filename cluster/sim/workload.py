@@ -142,6 +142,45 @@ class TierMix:
         return TierMix(tuple(reversed(self.weights)))
 
 
+# ---- the goodput matrix's workloads ---------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class WorkloadSpec:
+    """A named workload of the goodput matrix (DESIGN.md §6): a trace's lengths, shares of the default tiers
+    (tightest first), and whether the shares invert half way through the measured window."""
+    name: str
+    trace: str
+    mix: tuple[float, ...]
+    phase_change: bool = False
+
+    def phase_change_at(self, window: tuple[float, float]) -> float | None:
+        """When the mix inverts: in the middle of the measured `window`, so that the window holds as much of each
+        phase and its tier shares are the average of the two mixes (the shares its fluid bound is computed on)."""
+        return (window[0] + window[1]) / 2 if self.phase_change else None
+
+
+# Equal shares wherever the mix is not what the workload is about: the headline rule needs every tier at 90 %, so
+# equal shares weigh each tier's difficulty alike. The 3-tier mix drops snug, keeping the tightest and the loosest
+# tier (the widest spread of deadlines on one instance) and a missing tier between tight and relaxed, so a
+# promoted relaxed request lands on a much tighter instance; the 2-tier mix is interactive against batch, nothing
+# between. The phase change starts light on
+# the tightest tier and ends heavy on it, so the fleet must move instances between tiers within the window.
+MATRIX_WORKLOADS = (
+    WorkloadSpec("conv-4tier", "azure2023_conv", (1.0, 1.0, 1.0, 1.0)),
+    WorkloadSpec("code-4tier", "azure2023_code", (1.0, 1.0, 1.0, 1.0)),
+    WorkloadSpec("conv-3tier", "azure2023_conv", (1.0, 0.0, 1.0, 1.0)),
+    WorkloadSpec("conv-2tier", "azure2023_conv", (1.0, 0.0, 0.0, 1.0)),
+    WorkloadSpec("conv-phase", "azure2023_conv", DEFAULT_MIX, phase_change=True),
+)
+
+
+def workload_spec(name: str) -> WorkloadSpec:
+    """The workload of MATRIX_WORKLOADS called `name`."""
+    for spec in MATRIX_WORKLOADS:
+        if spec.name == name:
+            return spec
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(s.name for s in MATRIX_WORKLOADS)}")
+
+
 # ---- workloads ------------------------------------------------------------------------------------------------
 @dataclass(slots=True, frozen=True)
 class Workload:
