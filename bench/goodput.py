@@ -23,15 +23,19 @@ goodput_ratio_heatmap.png (PolyServe's headline goodput over the best baseline's
 tier_attainment_at_goodput.png (conv-4tier at the largest fleet every policy ran), attainment_vs_rate_by_error.png
 (the error sweep); the other experiments draw phase_change.png, calibration.png, goodput_vs_fleet_size.png.
 
-Cost on this machine (2 cores): --quick (fleets 8 and 16, an 8 s window after 4 s, seeds 1 and 2, searched to
-8 %) took QUICK_WALL on 2 processes. The full matrix (fleets 8, 16, 64 and 256, a 12 s window after 8 s, searched to
-3 %) is estimated at FULL_WALL; see make_plan and cell_jobs for what keeps it there.
+Cost on this machine (2 cores): --quick (fleets 8 and 16, a 6 s window after 8 s, seeds 1 and 2, searched to 10 %)
+took 21 min (1,244 s) on 2 processes. The full matrix (fleets 8, 16 and 64, and 256 for the leaders; a 12 s window
+after 8 s; searched to 3 %, the leaders to 5 %) is estimated at about 7 h on 2 processes: a 64-instance cell took
+about 11 min on one core (12 to 18 runs of 20 s simulated), so the forty of them take about 3 h and the ten
+256-instance cells about 3 h more; --leader-fleets '' leaves those out, more --processes divide the rest. What
+keeps it there: cell_jobs (brackets from the smaller fleet, weak baselines searched coarsely) and CellJob (strict
+scored from the headline search's own runs).
 
 Other experiments (--experiments): autoscaled: PolyServe autoscaled through conv-phase's phase change, SLO-attaining
 requests per instance-second held; speed: the time to simulate the whole conversation trace at 64 instances;
 calibration: the engine against the simulator, one engine in-process and a fleet of engine processes through the
 live router; scan: per-instance goodput of --policies (default polyserve) over --scan-fleets, in a longer window,
-with seeds enough for --scan-instance-runs instance-runs per probe (the first of --workloads).
+each probe pooling seeds enough for as many instance-runs at every size. They run on the first of --workloads.
 
 Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
 JSON. KV pool: what the weights leave of 90 % of 141 GB (scheduler/roofline.py). Tiers: the four default tiers
@@ -482,6 +486,8 @@ class Plan:
     warmup_s: float
     window_s: float
     rel_tol: float
+    # the leader fleets' runs are the costliest of all, and their ratio needs no finer grain than that
+    leader_rel_tol: float
     # weak baselines from `coarse_from` instances on (cell_jobs)
     coarse_rel_tol: float
     coarse_from: int
@@ -509,13 +515,13 @@ def make_plan(args) -> Plan:
     # test_goodput_bound.py), so the quick run shortens the window, never the warm-up.
     if args.quick:
         plan = Plan(policies, fleets=(8, 16), leader_fleets=(), seeds=(1, 2), warmup_s=8.0, window_s=6.0,
-                    rel_tol=0.1, coarse_rel_tol=0.15, coarse_from=64, sweep_fleet=16,
+                    rel_tol=0.1, leader_rel_tol=0.1, coarse_rel_tol=0.15, coarse_from=64, sweep_fleet=16,
                     sweep_loads=(0.4, 0.55, 0.7, 0.85, 1.0), scan_fleets=(4, 8, 16), scan_warmup_s=6.0,
                     scan_window_s=20.0, scan_instance_runs=8, scan_rel_tol=0.1, autoscale_max=8,
                     autoscale_duration=90.0, speed_duration=600.0, calibration=(0.5, 28.0, 8.0))
     else:
         plan = Plan(policies, fleets=(8, 16, 64), leader_fleets=(256,), seeds=(1, 2), warmup_s=8.0, window_s=12.0,
-                    rel_tol=0.03, coarse_rel_tol=0.1, coarse_from=64, sweep_fleet=16,
+                    rel_tol=0.03, leader_rel_tol=0.05, coarse_rel_tol=0.1, coarse_from=64, sweep_fleet=16,
                     sweep_loads=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), scan_fleets=(8, 16, 32, 64, 128, 256),
                     scan_warmup_s=12.0, scan_window_s=48.0, scan_instance_runs=64, scan_rel_tol=0.03,
                     autoscale_max=16, autoscale_duration=240.0, speed_duration=None, calibration=(1.0, 16.0, 20.0))
@@ -531,7 +537,7 @@ def make_plan(args) -> Plan:
     if args.seeds:
         plan.seeds = tuple(range(1, args.seeds + 1))
     if args.rel_tol:
-        plan.rel_tol = args.rel_tol
+        plan.rel_tol = plan.leader_rel_tol = args.rel_tol
     if args.scan_fleets:
         plan.scan_fleets = _ints(args.scan_fleets)
     if args.scan_rel_tol:
@@ -580,8 +586,8 @@ def _run_indexed(indexed_job):
 
 # ---- the matrix -------------------------------------------------------------------------------------------------
 # A baseline whose goodput per instance at the next smaller fleet is under this share of the best baseline's is
-# searched to the plan's coarse tolerance from `coarse_from` instances on (see matrix_jobs).
-WEAK_SHARE = 0.8
+# searched to the plan's coarse tolerance from `coarse_from` instances on (see cell_jobs).
+WEAK_SHARE = 0.85
 
 
 @dataclass(slots=True, frozen=True)
@@ -609,9 +615,10 @@ def best_baseline(cells: list[dict], workload: str, num_instances: int, rule: st
                 and c["policy"] in BASELINES), key=lambda c: c[rule]["goodput"], default=None)
 
 
-def cell_jobs(plan: Plan, workload: MatrixWorkload, cells: list[dict], num_instances: int,
-              policies: list[str]) -> list[CellJob]:
-    """The cells of `workload` and `policies` at `num_instances`, after those of the smaller fleets (`cells`).
+def cell_jobs(plan: Plan, workload: MatrixWorkload, cells: list[dict], num_instances: int, policies: list[str],
+              rel_tol: float) -> list[CellJob]:
+    """The cells of `workload` and `policies` at `num_instances`, searched to `rel_tol`, after those of the smaller
+    fleets (`cells`).
 
     A headline search starts from the goodput per instance the policy reached on the next smaller fleet, 0.92 to
     1.1 x (it changes little with the fleet's size), or on the first fleet (and after a goodput of 0) from 0.5 to
@@ -628,12 +635,12 @@ def cell_jobs(plan: Plan, workload: MatrixWorkload, cells: list[dict], num_insta
         previous = max(smaller, key=lambda c: c["num_instances"], default=None)
         guess = previous["headline"]["goodput"] / previous["num_instances"] * num_instances if previous else 0.0
         bracket = (0.92 * guess, 1.1 * guess) if guess > 0 else (0.5 * headline_bound, headline_bound)
-        rel_tol = plan.rel_tol
+        tolerance = rel_tol
         if previous and policy in BASELINES and num_instances >= plan.coarse_from:
             best = best_baseline(cells, name, previous["num_instances"])
             if previous["headline"]["goodput"] < WEAK_SHARE * best["headline"]["goodput"]:
-                rel_tol = max(plan.rel_tol, plan.coarse_rel_tol)
-        jobs.append(CellJob(workload.setup, policy, num_instances, workload.co_budget, plan.seeds, bracket, rel_tol))
+                tolerance = max(rel_tol, plan.coarse_rel_tol)
+        jobs.append(CellJob(workload.setup, policy, num_instances, workload.co_budget, plan.seeds, bracket, tolerance))
     return jobs
 
 
@@ -676,7 +683,8 @@ def run_matrix(pool, plan: Plan, workloads: list[MatrixWorkload], sweep_setups: 
             for w in workloads:
                 policies = _leaders(cells, w.setup.workload.name, max(plan.fleets), plan.policies) if leaders_only \
                     else list(plan.policies)
-                jobs += cell_jobs(plan, w, cells, num_instances, policies)
+                jobs += cell_jobs(plan, w, cells, num_instances, policies,
+                                  plan.leader_rel_tol if leaders_only else plan.rel_tol)
             extra = sweep_round() if sweep_ready() else []
             sweep_pending = sweep_pending and not extra
             results = _map(pool, jobs + extra, progress)
@@ -877,12 +885,12 @@ def run_experiments(pool, plan: Plan, args, names: list[str], workload: Workload
         scan_setup = Setup(workload, args.latency_profile, plan.scan_warmup_s, plan.scan_window_s,
                            args.prediction_error)
         per_instance = scan_setup.bound().rate(1)
-        bracket = _ints_pair(args.scan_bracket) if args.scan_bracket else (0.85 * per_instance, 1.15 * per_instance)
+        bracket = _bracket_arg(args.scan_bracket) if args.scan_bracket else (0.85 * per_instance, 1.15 * per_instance)
         policies = list(plan.policies) if args.policies else ["polyserve"]
         report["scan"] = run_scan(pool, plan, scan_setup, policies, bracket, args.processes)
 
 
-def _ints_pair(text: str) -> tuple[float, float]:
+def _bracket_arg(text: str) -> tuple[float, float]:
     bracket = tuple(float(x) for x in text.split(","))
     if len(bracket) != 2 or not 0 < bracket[0] < bracket[1]:
         raise SystemExit(f"--scan-bracket wants LOW,HIGH with 0 < LOW < HIGH, got {text!r}")
@@ -933,7 +941,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--leader-fleets", default=None,
                     help="fleet sizes only PolyServe and the best baseline run (full: 256; '' for none)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds per probe (default 2: a confirmation needs two)")
-    ap.add_argument("--rel-tol", type=float, default=None, help="relative tolerance of the matrix's searches")
+    ap.add_argument("--rel-tol", type=float, default=None, help="relative tolerance of every search of the matrix")
     ap.add_argument("--prediction-error", default="gpu-typical", choices=list(PREDICTION_ERRORS),
                     help="the fleet's true step time against the model every predictor uses (default gpu-typical)")
     ap.add_argument("--processes", type=int, default=2)
