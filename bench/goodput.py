@@ -24,7 +24,7 @@ tier_attainment_at_goodput.png (conv-4tier at the largest fleet every policy ran
 (the error sweep); the other experiments draw phase_change.png, calibration.png, goodput_vs_fleet_size.png.
 
 Cost on this machine (2 cores): --quick (fleets 8 and 16, a 6 s window after 8 s, seeds 1 and 2, searched to 10 %)
-took 21 min (1,244 s) on 2 processes. The full matrix (fleets 8, 16 and 64, and 256 for the leaders; a 12 s window
+took 19 min (1,155 s) on 2 processes. The full matrix (fleets 8, 16 and 64, and 256 for the leaders; a 12 s window
 after 8 s; searched to 3 %, the leaders to 5 %) is estimated at about 7 h on 2 processes: a 64-instance cell took
 about 11 min on one core (12 to 18 runs of 20 s simulated), so the forty of them take about 3 h and the ten
 256-instance cells about 3 h more; --leader-fleets '' leaves those out, more --processes divide the rest. What
