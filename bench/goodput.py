@@ -1061,6 +1061,12 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+
+
 def plot_ratio_heatmap(matrix: dict, path: Path) -> None:
     """PolyServe's headline goodput over the best baseline's, workload x fleet size, the best baseline named."""
     plt = _plt()
@@ -1089,9 +1095,7 @@ def plot_ratio_heatmap(matrix: dict, path: Path) -> None:
     fig.colorbar(image, ax=ax, label="PolyServe / best baseline")
     ax.set_title(f"Headline goodput (every tier >= 90 %), PolyServe over the best baseline of the cell "
                  f"({matrix['prediction_error']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_tier_attainment(matrix: dict, path: Path) -> None:
@@ -1119,9 +1123,7 @@ def plot_tier_attainment(matrix: dict, path: Path) -> None:
                         rotation=20)
     axes[0].set_title(f"{workload}, {fleet} instances: per-tier attainment at each policy's headline goodput "
                       f"({matrix['prediction_error']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_error_sweep(sweep: dict, path: Path) -> None:
@@ -1146,9 +1148,7 @@ def plot_error_sweep(sweep: dict, path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{sweep['workload']}, {sweep['num_instances']} instances (x at 0: given up, under "
                  f"{SWEEP_FLOOR:.0%} pooled)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_scan(scan: dict, path: Path) -> None:
@@ -1165,9 +1165,7 @@ def plot_scan(scan: dict, path: Path) -> None:
     ax.set_ylabel("goodput per instance (req/s)")
     ax.set_ylim(bottom=0)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_phase_change(auto: dict, tier_names: list[str], path: Path) -> None:
@@ -1183,9 +1181,7 @@ def plot_phase_change(auto: dict, tier_names: list[str], path: Path) -> None:
     ax.set_ylabel("instances")
     ax.set_title("Autoscaled PolyServe: instances per tier through a phase change", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_calibration(calib: dict, path: Path) -> None:
@@ -1207,9 +1203,7 @@ def plot_calibration(calib: dict, path: Path) -> None:
     fig.suptitle(f"Engine vs simulator, one instance, latency model x{calib['time_scale']}: attainment "
                  f"{calib['live_attainment']:.1%} live, {calib['sim_attainment']:.1%} simulated with the measured "
                  f"host time, {calib['raw_sim_attainment']:.1%} without", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 if __name__ == "__main__":
