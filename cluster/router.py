@@ -99,7 +99,9 @@ class Router:
         """`latency_model` is where the router's predictions start: it refines them from the steps the instances
         report (`OnlineLatencyModel`), and holds each tier's instances to the tier's TPOT less a margin fed back
         from its requests' outcomes (`Headroom`), as each engine does for its chunks (DESIGN.md §2, learning under
-        error).
+        error). A second margin per tier, fed back from the first tokens of the requests it placed on time, asks a
+        placement for the first token that share of the TTFT early: the queue of prefills that an instance packed to
+        its deadlines runs behind a slow step would otherwise make them late together.
 
         `shed_late`: a queued request whose first token can no longer be on time is given up (`take_shed`, for
         the caller to answer) rather than served late: serving it would spend capacity that requests still on time
@@ -124,6 +126,7 @@ class Router:
         self.output_lengths = OutputLengthTracker(expected_output_tokens)
         self.checker = AttainabilityChecker(self.model, self.output_lengths, max_prefill_chunk)
         self.headroom = [Headroom() for _ in tiers]  # by the tier whose TPOT an instance is held to
+        self.first_token_headroom = [Headroom() for _ in tiers]  # by request tier: the share of TTFT planned
         self.fleet = Fleet(len(tiers))
         # one queue per tier under every policy: "least-loaded-admission" ignores tiers in placement only, and
         # waiting as PolyServe's requests wait (the same bound per tier, retried tightest tier first, each tier in
@@ -238,6 +241,9 @@ class Router:
             if req is not None:
                 out = r.num_output_tokens
                 if out > req.num_output_tokens:  # its newest token came out as the step ended
+                    if req.num_output_tokens == 0 and not req.late:
+                        first_token = self.first_token_headroom[req.tier_index]
+                        first_token.missed() if end > req.first_token_due else first_token.attained()
                     headroom = self.headroom[self._held_to(view, req)]
                     req.standing = headroom.note_token(req.standing, req.num_output_tokens == 0,
                                                        end > req.first_token_due + (out - 1) * req.tpot_s)
@@ -318,14 +324,15 @@ class Router:
             view = self._baseline_choice(req)
             return None if view is None else (view, How.BASELINE)
         snap = req.snapshot(now if req.late else req.arrival)
+        early = self.first_token_headroom[req.tier_index].margin * req.slo.ttft_ms / 1000.0
         if self.policy == "least-loaded-admission":
-            view = self._least_loaded_attaining(req, snap, now)
+            view = self._least_loaded_attaining(req, snap, early, now)
             return None if view is None else (view, How.BASELINE)
         before_scale_up, after_scale_up = self._tier_orders[req.tier_index]
-        return self._place_in(before_scale_up, req, snap, now) or self._scale_up(req, snap, now) \
-            or self._place_in(after_scale_up, req, snap, now)
+        return self._place_in(before_scale_up, req, snap, early, now) or self._scale_up(req, snap, early, now) \
+            or self._place_in(after_scale_up, req, snap, early, now)
 
-    def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot,
+    def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot, early: float,
                   now: float) -> tuple[InstanceView, How] | None:
         fits, members, queues = self.checker.fits, self.fleet.members, self.queues
         ready = InstanceStatus.READY
@@ -335,21 +342,22 @@ class Router:
             tpot = self._budget_ms(tier)
             for view in sorted(members[tier], key=_load, reverse=self.gradient):
                 if view.status is ready and fits(view.summary, view.kv_capacity_tokens, view.iteration_end, tpot,
-                                                 snap, now):
+                                                 snap, now, early):
                     return view, How.OWN if tier == req.tier_index else How.PROMOTED
         return None
 
-    def _scale_up(self, req: RoutedRequest, snap: RequestSnapshot, now: float) -> tuple[InstanceView, How] | None:
+    def _scale_up(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
+                  now: float) -> tuple[InstanceView, How] | None:
         if self.autoscaler is not None and not self.autoscaler.can_join(self.fleet, req.tier_index):
             return None
         tpot, budget = self._tier_tpot_ms[req.tier_index], self._budget_ms(req.tier_index)
         for view in sorted(self.fleet.idle, key=lambda v: len(v.residents)):  # empty ones first
             if view.tightest_resident_tpot_ms() >= tpot and self.checker.fits(
-                    view.summary, view.kv_capacity_tokens, view.iteration_end, budget, snap, now):
+                    view.summary, view.kv_capacity_tokens, view.iteration_end, budget, snap, now, early):
                 return view, How.SCALED_UP
         return None
 
-    def _least_loaded_attaining(self, req: RoutedRequest, snap: RequestSnapshot,
+    def _least_loaded_attaining(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
                                 now: float) -> InstanceView | None:
         """The least-loaded serving instance that can attain `req` (instance order on a tie). Each is held to the
         TPOT of the tightest tier among its residents and `req`, as PolyServe holds an instance to its tier's TPOT
@@ -359,7 +367,7 @@ class Router:
         for view in sorted((v for v in self.fleet.instances.values() if v.status is ready), key=_load):
             tightest = min(view.residents_per_tier, default=own)
             budget = self._budget_ms(tightest if tightest < own else own)
-            if fits(view.summary, view.kv_capacity_tokens, view.iteration_end, budget, snap, now):
+            if fits(view.summary, view.kv_capacity_tokens, view.iteration_end, budget, snap, now, early):
                 return view
         return None
 

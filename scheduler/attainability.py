@@ -105,29 +105,31 @@ class AttainabilityChecker:
                              peak_batch, worst_chunk, worst_end)
 
     def fits(self, summary: ResidentSummary, kv_capacity_tokens: int, iteration_end: float, tpot_ms: float,
-             request: RequestSnapshot, now: float) -> bool:
+             request: RequestSnapshot, now: float, early_s: float = 0.0) -> bool:
         """`check(...).ok` for an instance given by its parts, `summary` describing its residents as they are now
-        (the router keeps one current per instance) with this checker's output lengths. Order: first token (no
-        latency prediction when r's prefill spans whole chunks), the KV as r's first token is out (a floor of the
-        peak), continuity (what refuses most instances that could start r's prefill in time), the steady state,
-        the second token."""
+        (the router keeps one current per instance) with this checker's output lengths, and r's first two tokens
+        due `early_s` before their deadlines (the queue ahead of r is still the one its deadline puts it behind).
+        Order: first token (no latency prediction when r's prefill spans whole chunks), the KV as r's first token
+        is out (a floor of the peak), continuity (what refuses most instances that could start r's prefill in
+        time), the steady state, the second token."""
         slo = request.slo
         budget_s = (slo.tpot_ms if slo.tpot_ms < tpot_ms else tpot_ms) / 1000.0
         first_deadline = request.first_token_due
+        planned_first = first_deadline - early_s
         start = now if now > iteration_end else iteration_end
         chunk, work, iterations, num_ahead, work_ahead, first, steady_kv = self._first_token(
             summary, budget_s, first_deadline, start, request)
-        if first > first_deadline:  # inf when no chunk fits
+        if first > planned_first:  # inf when no chunk fits
             return False
         if summary.kv_residents + steady_kv > kv_capacity_tokens:
             return False
-        if self._worst_prefill(summary, budget_s, start, request, chunk, work, iterations)[1] > first_deadline:
+        if self._worst_prefill(summary, budget_s, start, request, chunk, work, iterations)[1] > planned_first:
             return False
         if not self._steady_fits(summary, iterations + self._remaining(request), steady_kv, kv_capacity_tokens,
                                  budget_s):
             return False
         return not self._second_token(summary, request, first, iterations, num_ahead, work_ahead) \
-            > first_deadline + request.tpot_s
+            > planned_first + request.tpot_s
 
     # ---- the step functions both compute the figures with ---------------------------------------------------------
     def _first_token(self, summary: ResidentSummary, budget_s: float, first_deadline: float, start: float,

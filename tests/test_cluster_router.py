@@ -378,6 +378,58 @@ def test_headroom_counts_late_tokens_after_an_on_time_first_one():
     assert headroom.num_attained == 1 and headroom.margin < headroom.step
 
 
+def test_first_tokens_of_requests_placed_on_time_feed_their_tier_first_token_margin():
+    router = make_router()
+    ready(router, "a")
+    on_time, late_first = fill(router, "a", STD, 2)  # std: first token due at 1.0 s
+    late_queued = request("late-queued", STD, 0.0)
+    late_queued.late = True  # judged from its placement on: its first token is not the packing's to answer for
+    assert router.submit(late_queued, 0.0).instance_id == "a"
+    margin = router.first_token_headroom[STD]
+
+    def report(t, outputs):
+        router.on_report("a", InstanceReport(t, 0, [Resident(r.request_id, 1000, 1000 + n - 1, n)
+                                                    for r, n in outputs]), t)
+
+    report(0.5, [(on_time, 1), (late_first, 0), (late_queued, 0)])
+    assert (margin.num_attained, margin.num_missed, margin.margin) == (1, 0, 0.0)
+    report(1.2, [(on_time, 2), (late_first, 1), (late_queued, 1)])
+    assert (margin.num_attained, margin.num_missed) == (1, 1) and margin.margin == pytest.approx(margin.step)
+    report(1.3, [(on_time, 3), (late_first, 2), (late_queued, 2)])  # only a first token counts
+    assert (margin.num_attained, margin.num_missed) == (1, 1)
+    assert router.first_token_headroom[TIGHT].num_missed == router.first_token_headroom[BATCH].num_missed == 0
+
+
+@pytest.mark.parametrize("policy", ["polyserve", "least-loaded-admission"])
+def test_a_first_token_margin_asks_for_the_first_token_that_much_early_behind_the_same_queue(policy):
+    """The margin moves the first token's due time, not the request's place in the instance's prefill queue: the
+    residents due before it still go first, so the first token the test predicts is the one without a margin."""
+    def placed_on(margin_s: float) -> str:
+        router = make_router(policy)
+        ready(router, "a")
+        fill(router, "a", STD, 2)
+        ready(router, "b")
+        cand = request("x", STD, 0.0)
+        router.first_token_headroom[STD].margin = margin_s / (TIERS[STD].ttft_ms / 1000.0)
+        return router.submit(cand, 0.0).instance_id
+
+    router = make_router(policy)
+    ready(router, "a")
+    fill(router, "a", STD, 2)
+    cand = request("x", STD, 0.0)
+    verdict = router.checker.check(state(router, "a", TIERS[STD].tpot_ms), cand.snapshot(0.0), 0.0)
+    due = cand.first_token_due  # the figures as the queue ahead of it by its own deadline gives them
+    slack = min(due - verdict.first_token_time, due - verdict.worst_prefill_end,
+                due + cand.tpot_s - verdict.second_token_time)
+    assert verdict.ok and slack > 0.01
+    view = router.fleet["a"]
+    fits = lambda early: router.checker.fits(view.summary, view.kv_capacity_tokens, view.iteration_end,
+                                              TIERS[STD].tpot_ms, cand.snapshot(0.0), 0.0, early)
+    assert fits(0.0) and fits(slack - 1e-6) and not fits(slack + 1e-6)
+    busiest = "a" if policy == "polyserve" else "b"  # the baseline takes the least-loaded that attains
+    assert placed_on(0.0) == busiest and placed_on(slack + 1e-3) == "b"
+
+
 def test_an_instance_is_packed_to_its_tier_tpot_less_the_headroom():
     def placed_on_one_instance(router, tiers) -> int:
         ready(router, "a", capacity=10**6)
@@ -558,9 +610,12 @@ class ReferenceChecker(AttainabilityChecker):
     def check(self, instance, request, now):
         return reference_check(self, instance, request, now)
 
-    def fits(self, summary, kv_capacity_tokens, iteration_end, tpot_ms, request, now):
+    def fits(self, summary, kv_capacity_tokens, iteration_end, tpot_ms, request, now, early_s=0.0):
         state = InstanceState(tuple(summary.residents), kv_capacity_tokens, iteration_end, tpot_ms)
-        return reference_check(self, state, request, now).ok
+        verdict = reference_check(self, state, request, now)
+        due = request.first_token_due - early_s
+        return verdict.ok and verdict.first_token_time <= due and verdict.worst_prefill_end <= due \
+            and verdict.second_token_time <= due + request.tpot_s
 
 
 def test_placements_equal_those_of_the_reference_test_through_random_events():
@@ -640,3 +695,4 @@ def test_placements_equal_those_of_the_reference_test_through_random_events():
     assert [(i, sorted(v.residents)) for i, v in sorted(fast.fleet.instances.items())] == \
         [(i, sorted(v.residents)) for i, v in sorted(ref.fleet.instances.items())]
     assert all(outcomes.get(k) for k in ("own", "promoted", "scaled_up", "queued")), outcomes
+    assert any(h.num_missed for h in fast.first_token_headroom)  # placements were planned with first-token margins
