@@ -1,6 +1,10 @@
 """Starts and stops engine processes on this machine: `python -m cluster.worker` subprocesses, one per GPU (its own
 CUDA_VISIBLE_DEVICES) or, for emulated engines, as many as asked on a CPU box. The service drains an instance
-before it asks for the stop; cold start (spawn to READY) is measured here, spawn to Hello by the service."""
+before it asks for the stop; cold start (spawn to READY) is measured here, spawn to Hello by the service.
+
+Warm spares: workers started ahead of need, their engines built (model loaded, or emulated) and listening, that no
+router has attached yet. A replacement or a new instance is then a connection away instead of a cold start (process,
+imports, weights). They occupy devices like any worker: with GPUs, spares and workers together stay within them."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Awaitable, Sequence
 
 from engine.config import EngineConfig
 
@@ -34,9 +38,14 @@ class _Process:
 class LocalLauncher:
     def __init__(self, config: EngineConfig, *, gpus: Sequence[str] = (), heartbeat_s: float | None = None,
                  host: str = "127.0.0.1", python: str = sys.executable, ready_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, warm_spares: int = 0):
         """Every worker's engine is built from `config` (forwarded as its flags). `gpus`: device ids, one worker
-        each; empty: no GPU assignment (CPU or emulated). `heartbeat_s`: the workers' (None: their default)."""
+        each; empty: no GPU assignment (CPU or emulated). `heartbeat_s`: the workers' (None: their default).
+        `warm_spares`: how many started, unattached workers to keep (`num_spares_short`, `take_spare`)."""
+        if warm_spares < 0:
+            raise ValueError(f"warm_spares must be non-negative, got {warm_spares}")
+        self.warm_spares = warm_spares
+        self.spares: dict[str, tuple[str, int] | None] = {}  # instance id -> its address once ready, oldest first
         self.worker_args = config.to_args() + ([] if heartbeat_s is None else ["--heartbeat-s", str(heartbeat_s)])
         self.gpus, self.host, self.python = list(gpus), host, python
         self.ready_timeout_s = ready_timeout_s
@@ -50,6 +59,45 @@ class LocalLauncher:
     def capacity(self) -> int | None:
         """How many workers can run at once (one per GPU); None: no bound here."""
         return len(self.gpus) if self.gpus else None
+
+    def num_spares_short(self) -> int:
+        """Spares to start now: those missing (counting the ones starting), within the devices no worker holds."""
+        self._drop_ended_spares()
+        short = self.warm_spares - len(self.spares)
+        if self.gpus:
+            short = min(short, len(self.gpus) - len(self.processes.keys() | self.spares.keys()))
+        return max(0, short)
+
+    def start_spare(self, instance_id: str) -> Awaitable[None]:
+        """Counts a new spare at once and returns what starts it, to await (LaunchError if it does not come up)."""
+        self.spares[instance_id] = None
+        return self._start_spare(instance_id)
+
+    async def _start_spare(self, instance_id: str) -> None:
+        try:
+            address = await self.start(instance_id)
+        except BaseException:
+            self.spares.pop(instance_id, None)
+            raise
+        if instance_id in self.spares:
+            self.spares[instance_id] = address
+
+    def take_spare(self) -> tuple[str, tuple[str, int]] | None:
+        """The oldest ready spare, no longer a spare: (its instance id, its address); None if none is ready."""
+        self._drop_ended_spares()
+        for instance_id, address in self.spares.items():
+            if address is not None:
+                del self.spares[instance_id]
+                return instance_id, address
+        return None
+
+    def _drop_ended_spares(self) -> None:
+        for instance_id, address in list(self.spares.items()):
+            status = self.processes[instance_id].proc.returncode if address is not None else None
+            if status is not None:
+                log.warning("spare %s exited with status %s before it was used", instance_id, status)
+                del self.spares[instance_id]
+                asyncio.get_running_loop().create_task(self._reap(instance_id))
 
     async def start(self, instance_id: str) -> tuple[str, int]:
         """Spawns a worker and waits until it listens; returns (host, port)."""
@@ -132,6 +180,7 @@ class LocalLauncher:
         return await self._reap(instance_id)
 
     async def _reap(self, instance_id: str) -> int | None:
+        self.spares.pop(instance_id, None)
         p = self.processes.pop(instance_id, None)
         if p is None:
             return None

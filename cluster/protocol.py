@@ -18,9 +18,10 @@ from typing import Union
 import msgspec
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 from scheduler.slo import SLO
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of msgpack; 8 MiB leaves room and bounds a bad peer
 HEADER = struct.Struct("!I")
 
@@ -49,6 +50,9 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False
+    structured_output: StructuredOutput | None = None
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
     @classmethod
     def of(cls, params: SamplingParams) -> "SamplingSpec":
@@ -79,6 +83,9 @@ class Submit(_Message, tag=_tag("submit")):
     tier: str  # the tier the router admitted it under: the engine keeps that tier's output-length mean
     slo: SLO  # made concrete at the router's admission
     queued_s: float  # time since the request's arrival at the router; the worker dates its arrival back by it
+    # the prompt's last tokens are output already streamed from a failed instance: the engine continues after them
+    # (Engine.add_request's resumed_tokens)
+    resumed_tokens: int = 0
 
 
 class Abort(_Message, tag=_tag("abort")):
@@ -95,6 +102,10 @@ class TokenDelta(msgspec.Struct, array_like=True):
     text: str  # text that became safe to stream with these tokens (may be empty)
     emit_times: list[float]  # one per token, worker clock
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (token id, logprob), most likely first
+    # the whole prompt's, in the request's first delta only (engine.RequestOutput's fields of the same names)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class Tokens(_Message, tag=_tag("tokens")):

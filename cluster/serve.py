@@ -1,13 +1,15 @@
 """`python -m cluster.serve`: the router, autoscaled engine processes and the OpenAI-compatible HTTP API.
 
-    python -m cluster.serve --executor emulated --min-instances 2 --max-instances 8 --idle-pool 1
+    python -m cluster.serve --executor emulated --min-instances 2 --max-instances 8 --idle-pool 1 --warm-spares 1
     python -m cluster.serve --gpus 0,1,2,3 --device cuda --tiers tight:20:250,batch:250:5000
+    python -m cluster.serve --host 0.0.0.0 --api-key secret --executor emulated  # clients: Bearer secret
 
 Engines are `python -m cluster.worker` processes started by the launcher, each built from the same engine flags
 (`EngineConfig`, forwarded whole): one per GPU with --gpus, else (emulated engines, or CPU model engines) as many as
 the limits allow. The router predicts iteration times with the engines' latency model: --latency-profile, else the
 roofline of Llama-3.1-8B on an H200 (what an emulated engine sleeps), times --time-scale. Baseline router policies
-serve a fixed fleet of --min-instances.
+serve a fixed fleet of --min-instances. The HTTP flags (--host, --api-key, ...) are engine.serve's; the router talks to
+its engines over the cluster protocol, which the API key does not cover: bind workers to a trusted network.
 """
 from __future__ import annotations
 
@@ -21,21 +23,19 @@ from cluster.backend import RouterBackend
 from cluster.launcher import LocalLauncher
 from cluster.router import POLICIES, Router
 from cluster.service import RouterService
-from engine.api_server import build_app, serve_forever
+from engine.api_server import serve_forever
 from engine.config import EngineConfig, add_engine_args
 from engine.default_model import NAME as DEFAULT_MODEL_NAME
 from engine.default_model import default_model_path
 from engine.model_config import ModelConfig
+from engine.serve import add_http_args, build_http_app
 from engine.tokenizer import Tokenizer
 from scheduler.roofline import emulated_latency_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--served-model-name", default=None, help="the `model` clients send (default: folder name)")
-    ap.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    add_http_args(ap)
     ap.add_argument("--router-policy", choices=POLICIES, default="polyserve")
     ap.add_argument("--min-instances", type=int, default=1)
     ap.add_argument("--max-instances", type=int, default=4)
@@ -49,6 +49,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="serve a queued request whose first token can no longer be on time (default: answer it "
                          "429 at once, keeping the capacity for requests still on time)")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
+    ap.add_argument("--warm-spares", type=int, default=None,
+                    help="engine processes kept started but unattached, so that a replacement or a new instance "
+                         "joins in about a connection's time instead of a cold start (default: 1 where a device is "
+                         "left beyond --max-instances, or with no --gpus; with --gpus, spares and instances "
+                         "together stay within the GPUs)")
+    ap.add_argument("--max-migrations", type=int, default=2,
+                    help="times a stream continues on another engine after its engine failed mid-stream; one more "
+                         "failure ends it with an error")
     ap.add_argument("--gpus", default="", help="comma-separated device ids, one engine each (default: none)")
     add_engine_args(ap)
     return ap.parse_args(argv)
@@ -69,22 +77,35 @@ def build_backend(args: argparse.Namespace) -> RouterBackend:
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
     if gpus and args.max_instances > len(gpus):
         raise ValueError(f"--max-instances {args.max_instances} exceeds the {len(gpus)} GPUs of --gpus")
-    service = RouterService(router, launcher=LocalLauncher(config, gpus=gpus),
-                            heartbeat_timeout_s=args.heartbeat_timeout_s)
+    spares = warm_spares(args.warm_spares, limits.max_instances, len(gpus))
+    service = RouterService(router, launcher=LocalLauncher(config, gpus=gpus, warm_spares=spares),
+                            heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations)
     model = config.model or default_model_path()
     model_config = ModelConfig.from_folder(model)
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
     return RouterBackend(service, name, model_config.context_length(config.max_model_len), Tokenizer.of_folder(model))
 
 
+def warm_spares(asked: int | None, max_instances: int, num_gpus: int) -> int:
+    """The spares to keep: as asked (None: one), within the GPUs the instances leave (asked: an error past them)."""
+    room = num_gpus - max_instances if num_gpus else None
+    if asked is None:
+        return 1 if room is None else min(1, room)
+    if asked < 0 or (room is not None and asked > room):
+        raise ValueError(f"--warm-spares {asked} must be non-negative and, with --gpus, leave a GPU for each of the "
+                         f"--max-instances {max_instances}: {num_gpus} GPUs")
+    return asked
+
+
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     backend = build_backend(args)
-    app = build_app(backend, client_max_size=args.max_body_bytes)
-    logging.getLogger(__name__).info("router policy %s, tiers %s, instances %d..%d, idle pool %d, executor %s",
-                                     args.router_policy, args.tiers, args.min_instances, args.max_instances,
-                                     args.idle_pool, args.executor)
+    app = build_http_app(backend, args)
+    logging.getLogger(__name__).info("router policy %s, tiers %s, instances %d..%d, idle pool %d, warm spares %d, "
+                                     "executor %s", args.router_policy, args.tiers, args.min_instances,
+                                     args.max_instances, args.idle_pool, backend.service.launcher.warm_spares,
+                                     args.executor)
     asyncio.run(serve_forever(app, args.host, args.port))
 
 

@@ -153,12 +153,17 @@ class Worker:
         try:
             params = msg.sampling.params()
             arrival = self.clock() - max(0.0, msg.queued_s)
-            async for out in self.async_engine.generate(rid, msg.prompt_token_ids, params, msg.slo, arrival, msg.tier):
+            async for out in self.async_engine.generate(rid, msg.prompt_token_ids, params, msg.slo, arrival, msg.tier,
+                                                        msg.resumed_tokens):
                 n = len(out.new_token_ids)
                 if n or out.new_text:
                     logprobs = out.logprobs[seen:seen + n] if out.logprobs is not None else None
+                    top = out.top_logprobs[seen:seen + n] if out.top_logprobs is not None else None
+                    first = seen == 0  # the prompt's logprobs are complete from the first output on
                     conn.deltas.append(p.TokenDelta(rid, out.new_token_ids, out.new_text,
-                                                    out.token_times[seen:seen + n], logprobs))
+                                                    out.token_times[seen:seen + n], logprobs, top,
+                                                    out.prompt_logprobs if first else None,
+                                                    out.prompt_top_logprobs if first else None))
                     seen += n
                 if out.finished:
                     conn.add(self._final(out))

@@ -3,18 +3,24 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (whole or server-sent events), GET /v1/models,
 GET /health, GET /metrics. A client that disconnects aborts its request (the handler is cancelled, which closes the
-backend's output iterator).
+backend's output iterator). With an API key, every endpoint but /health (and /metrics, if left open) wants
+`Authorization: Bearer <key>`. A request body is decoded, templated and tokenized on a worker thread, never on the
+event loop that streams everyone's tokens.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
+import hmac
+import ipaddress
 import logging
 import math
 import signal
 import threading
 import time
 import uuid
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol
 
 from aiohttp import web
@@ -25,6 +31,7 @@ from engine.openai_protocol import (SSE_DONE, APIError, ChatCompletionRequest, C
                                     SLOSpec, bad_request, chat_logprobs, completion_logprobs, decode_body,
                                     error_body, messages_of, prompt_of, sampling_params_of, slo_spec_of, sse,
                                     usage)
+from engine.sampler import TopLogprobs
 from engine.sampling_params import SamplingParams
 from engine.serving import NoInstanceError, QueueFullError, freeze_startup_heap
 from engine.tokenizer import Tokenizer
@@ -72,33 +79,65 @@ class Backend(Protocol):
         Admission happens on the first `__anext__`, which raises InvalidRequestError (400), or engine.serving's
         QueueFullError (429) or NoInstanceError (503). Each output's `new_token_ids` and `new_text` are what it
         adds; `logprobs`, when `params.logprobs`, holds the chosen-token log-probabilities of all output tokens so
-        far. The last output has `finished` set; `finish_reason` "error" with `error` set means the request failed
+        far, and `top_logprobs` their alternatives when `params.top_logprobs`; `prompt_logprobs` and
+        `prompt_top_logprobs`, when `params.prompt_logprobs`, the prompt's, complete from the first output on.
+        The last output has `finished` set; `finish_reason` "error" with `error` set means the request failed
         after admission.
         Closing the iterator before the last output (`aclose`) aborts the request and frees what it holds."""
         ...
 
 
 # ---- app ------------------------------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class Access:
+    """Who may call: anyone (no key), or whoever sends the key; /health is always open, /metrics where told."""
+    api_key: bytes | None
+    metrics_open: bool = False
+
+    def guards(self, path: str) -> bool:
+        return self.api_key is not None and path != "/health" and not (self.metrics_open and path == "/metrics")
+
+    def admits(self, authorization: str | None) -> bool:
+        scheme, _, token = (authorization or "").partition(" ")
+        # compared in constant time: how long a refusal takes must not tell how much of a guess was right
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+
+
 BACKEND = web.AppKey("backend", Backend)
 METRICS = web.AppKey("metrics", ServerMetrics)
+ACCESS = web.AppKey("access", Access)
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+PARSERS = web.AppKey("parsers", concurrent.futures.ThreadPoolExecutor)
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+# Tokenizers run outside the GIL, so a few threads let small requests pass a big one being tokenized.
+PARSER_THREADS = 4
 
 
-def build_app(backend: Backend, *, client_max_size: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+def build_app(backend: Backend, *, client_max_size: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
+              metrics_open: bool = False) -> web.Application:
     """The aiohttp app over `backend`, with a metrics registry of its own. Serve it with `start_site`,
-    `ServerThread` or `serve_forever`, which cancel a handler whose client disconnects."""
+    `ServerThread` or `serve_forever`, which cancel a handler whose client disconnects. `api_key` (None or empty:
+    none) is what clients must send as `Authorization: Bearer <key>`; `metrics_open` leaves /metrics open."""
     metrics = ServerMetrics()
-    app = web.Application(client_max_size=client_max_size, middlewares=[_errors])
+    app = web.Application(client_max_size=client_max_size, middlewares=[_errors, _authorize, _body_limit])
     app[BACKEND], app[METRICS] = backend, metrics
+    app[ACCESS] = Access(api_key.encode() if api_key else None, metrics_open)
+    app[MAX_BODY_BYTES] = client_max_size
+    app[PARSERS] = concurrent.futures.ThreadPoolExecutor(PARSER_THREADS, thread_name_prefix="http-parse")
     backend.bind_metrics(metrics)
     app.on_startup.append(lambda app: backend.start())
     app.on_cleanup.append(lambda app: backend.stop())
+    app.on_cleanup.append(_stop_parsers)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
+
+
+async def _stop_parsers(app: web.Application) -> None:
+    app[PARSERS].shutdown(wait=False, cancel_futures=True)
 
 
 def _error_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -125,6 +164,27 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
                                                    "internal_error"))
     request.app[METRICS].http_requests.labels(endpoint, str(response.status)).inc()
     return response
+
+
+@web.middleware
+async def _authorize(request: web.Request, handler) -> web.StreamResponse:
+    access = request.app[ACCESS]
+    if access.guards(request.path) and not access.admits(request.headers.get("Authorization")):
+        given = "Authorization" in request.headers
+        raise APIError(401, "incorrect API key" if given else "no API key: send it as `Authorization: Bearer <key>`",
+                       "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+@web.middleware
+async def _body_limit(request: web.Request, handler) -> web.StreamResponse:
+    """Refuses a body over the limit by its Content-Length, before reading any of it (aiohttp's own check, for a
+    body without one, reads up to the limit first)."""
+    limit, length = request.app[MAX_BODY_BYTES], request.content_length
+    if length is not None and length > limit:
+        raise APIError(413, f"maximum request body size of {limit} bytes exceeded: this one has {length}",
+                       "request_too_large")
+    return await handler(request)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -154,16 +214,32 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 # ---- one generation request -----------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Echo:
+    """A completion's prompt, sent back before its output (`echo`); with logprobs, its tokens' too."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None] | None = None  # None for the first token: nothing predicts it
+    top_logprobs: list[TopLogprobs | None] | None = None
+
+
+def _token_text(tokenizer: Tokenizer | None, token: int) -> str:
+    return tokenizer.decode([token]) if tokenizer is not None else str(token)
+
+
 class _Progress:
-    """What a request has produced so far, as this server received it: tokens, their receive times, the finish."""
+    """What one choice has produced so far, as this server received it: tokens, their receive times, the finish;
+    and what of it went out already (logprobs, the echoed prompt)."""
 
-    __slots__ = ("emit_times", "token_ids", "logprobs_sent", "finish_reason")
+    __slots__ = ("emit_times", "token_ids", "logprobs_sent", "finish_reason", "echo", "text_offset")
 
-    def __init__(self):
+    def __init__(self, echo: _Echo | None = None):
         self.emit_times: list[float] = []
         self.token_ids: list[int] = []
         self.logprobs_sent = 0  # tokens whose logprobs went out already
         self.finish_reason: str | None = None
+        self.echo = echo  # until it is sent
+        self.text_offset = 0  # characters of the choice's tokens sent so far: the legacy logprobs' text_offset
 
     def add(self, out: RequestOutput) -> None:
         self.emit_times.extend([time.monotonic()] * len(out.new_token_ids))
@@ -171,26 +247,134 @@ class _Progress:
         if out.finished:
             self.finish_reason = out.finish_reason
 
-    def take_logprobs(self, out: RequestOutput, tokenizer: Tokenizer | None, chat: bool) -> dict | None:
-        """The logprobs object for the tokens received since the last call; None when none were asked for."""
+    def take_echo(self) -> _Echo | None:
+        """The prompt to send before this choice's first text, once."""
+        echo, self.echo = self.echo, None
+        return echo
+
+    def take_logprobs(self, out: RequestOutput, tokenizer: Tokenizer | None, chat: bool,
+                      echo: _Echo | None = None) -> dict | None:
+        """The logprobs object for the tokens received since the last call, after `echo`'s prompt tokens; None
+        when none were asked for."""
         if out.logprobs is None:
             return None
         start, end = self.logprobs_sent, len(self.token_ids)
         self.logprobs_sent = end
-        ids = self.token_ids[start:end]
-        tokens = [tokenizer.decode([t]) for t in ids] if tokenizer is not None else [str(t) for t in ids]
-        values = list(out.logprobs[start:end])
-        return chat_logprobs(tokens, values) if chat else completion_logprobs(tokens, values)
+        tokens = [_token_text(tokenizer, t) for t in self.token_ids[start:end]]
+        values: list[float | None] = list(out.logprobs[start:end])
+        tops = out.top_logprobs[start:end] if out.top_logprobs is not None else [[]] * len(tokens)
+        alternatives = [[(_token_text(tokenizer, t), v) for t, v in top] for top in tops]
+        if chat:
+            return chat_logprobs(tokens, values, alternatives)
+        if echo is not None and echo.logprobs is not None:
+            prompt_tops = echo.top_logprobs or [None] + [[]] * (len(echo.token_ids) - 1)
+            tokens = [_token_text(tokenizer, t) for t in echo.token_ids] + tokens
+            values = list(echo.logprobs) + values
+            alternatives = [None if top is None else [(_token_text(tokenizer, t), v) for t, v in top]
+                            for top in prompt_tops] + alternatives
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return completion_logprobs(tokens, values, alternatives, offsets)
+
+
+def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The SamplingParams of each of n parallel samples. A seeded request's samples draw from seeds derived from
+    its seed (the first keeps it): they differ, and they reproduce. Only the first computes the prompt's
+    logprobs, which every choice echoes."""
+    return [params] + [replace(params, prompt_logprobs=False,
+                               seed=None if params.seed is None else (params.seed + i * SEED_STRIDE) % (1 << 63))
+                       for i in range(1, n)]
+
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # the golden-ratio increment: consecutive derived seeds share no low bits
+
+
+async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """A backend request's first output: its admission, or the answer that refuses it."""
+    try:
+        return await anext(outputs)
+    except InvalidRequestError as e:
+        raise bad_request(str(e)) from None
+    except QueueFullError as e:
+        raise APIError(429, str(e), "queue_full", "rate_limit_error",
+                       headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+    except NoInstanceError as e:
+        raise APIError(503, str(e), "no_instance", "service_unavailable") from None
+
+
+class _Choices:
+    """The n parallel samples of one request, each a backend request of its own (`<id>-<i>` when n > 1). The first
+    is admitted alone; when its first output is back its prompt is computed and its full KV blocks are in the
+    prefix cache, and the others, admitted then, share those blocks instead of computing the prompt again (on the
+    router, when they are placed on the same instance). `async with` it: leaving closes every stream, which aborts
+    the samples still running."""
+
+    def __init__(self, backend: Backend, request_id: str, prompt_ids: list[int], params: list[SamplingParams],
+                 tier: str, slo: SLO, arrival: float):
+        ids = [request_id] if len(params) == 1 else [f"{request_id}-{i}" for i in range(len(params))]
+        self.streams = [backend.generate(rid, prompt_ids, p, tier, slo, arrival) for rid, p in zip(ids, params)]
+        self.firsts: list[RequestOutput] = []
+        self._ready: deque[tuple[int, RequestOutput]] = deque()
+        self._pending: dict[asyncio.Future, int] = {}  # n > 1: the next output of each sample still running
+        self._single_running = False  # n == 1: read directly, no task per token
+
+    async def __aenter__(self) -> "_Choices":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for future in self._pending:
+            future.cancel()
+        if self._pending:
+            await asyncio.wait(self._pending)
+        for stream in self.streams:
+            await stream.aclose()
+
+    async def start(self) -> None:
+        """Admits every sample, or raises the APIError that refuses one (the others are then closed on leaving)."""
+        self.firsts = [await _first(self.streams[0])]
+        rest = await asyncio.gather(*(_first(s) for s in self.streams[1:]), return_exceptions=True)
+        for r in rest:
+            if isinstance(r, BaseException):
+                raise r
+        self.firsts += rest
+        self._ready.extend(enumerate(self.firsts))
+        if len(self.streams) == 1:
+            self._single_running = not self.firsts[0].finished
+        else:
+            for i, out in enumerate(self.firsts):
+                if not out.finished:
+                    self._pending[asyncio.ensure_future(anext(self.streams[i]))] = i
+
+    async def next(self) -> tuple[int, RequestOutput] | None:
+        """The next output of any sample, with the sample's index; None when every sample has finished."""
+        if self._ready:
+            return self._ready.popleft()
+        if len(self.streams) == 1:
+            if not self._single_running:
+                return None
+            out = await anext(self.streams[0])
+            self._single_running = not out.finished
+            return 0, out
+        if not self._pending:
+            return None
+        done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+        for future in sorted(done, key=self._pending.__getitem__):
+            i = self._pending.pop(future)
+            out = future.result()
+            self._ready.append((i, out))
+            if not out.finished:
+                self._pending[asyncio.ensure_future(anext(self.streams[i]))] = i
+        return self._ready.popleft()
 
 
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     arrival = time.monotonic()
     backend, metrics = request.app[BACKEND], request.app[METRICS]
-    req = decode_body(await request.read(), ChatCompletionRequest if chat else CompletionRequest)
-    if req.model is not None and req.model != backend.model_name:
-        raise APIError(404, f"model {req.model!r} is not served here; this server serves {backend.model_name!r}",
-                       "model_not_found")
-    prompt_ids = _prompt_ids(backend, req, chat)
+    body = await request.read()
+    req, prompt_ids = await asyncio.get_running_loop().run_in_executor(request.app[PARSERS], _parse, backend, body,
+                                                                       chat)
     room = backend.max_model_len - len(prompt_ids)
     if room < 1:
         raise bad_request(f"prompt of {len(prompt_ids)} tokens leaves no room for output in the context length of "
@@ -206,28 +390,38 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         raise bad_request(str(e), "invalid_slo") from None
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    outputs = backend.generate(request_id, prompt_ids, params, tier, slo, arrival)
-    async with contextlib.aclosing(outputs):
-        try:
-            first = await anext(outputs)
-        except InvalidRequestError as e:
-            raise bad_request(str(e)) from None
-        except QueueFullError as e:
-            raise APIError(429, str(e), "queue_full", "rate_limit_error",
-                           headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
-        except NoInstanceError as e:
-            raise APIError(503, str(e), "no_instance", "service_unavailable") from None
+    async with _Choices(backend, request_id, prompt_ids, _choice_params(params, req.n), tier, slo,
+                        arrival) as choices:
+        await choices.start()
         metrics.prompt_tokens.inc(len(prompt_ids))
         writer = ResponseWriter(request_id, backend.model_name, chat)
-        progress = _Progress()
+        echo = None
+        if not chat and req.echo:
+            prompt = prompt_of(req)
+            text = prompt if isinstance(prompt, str) else \
+                backend.tokenizer.decode(prompt_ids) if backend.tokenizer is not None else ""
+            first = choices.firsts[0]  # the one sample that computed the prompt's logprobs, when asked
+            echo = _Echo(text, prompt_ids, first.prompt_logprobs, first.prompt_top_logprobs)
+        progress = [_Progress(echo) for _ in choices.streams]
         try:
-            if req.stream and first.finish_reason != "error":  # an error before anything was sent: a plain 500
+            # an error before anything was sent: a plain 500
+            if req.stream and all(out.finish_reason != "error" for out in choices.firsts):
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
-                return await _stream(request, backend.tokenizer, writer, outputs, first, progress,
-                                     len(prompt_ids), include_usage)
-            return await _whole(backend.tokenizer, writer, outputs, first, progress, len(prompt_ids))
-        finally:  # also when the client went away (the handler is cancelled): that request ends as an abort
-            _record(metrics, tier, slo, arrival, progress)
+                return await _stream(request, backend.tokenizer, writer, choices, progress, len(prompt_ids),
+                                     include_usage)
+            return await _whole(backend.tokenizer, writer, choices, progress, len(prompt_ids))
+        finally:  # also when the client went away (the handler is cancelled): those requests end as aborts
+            for p in progress:
+                _record(metrics, tier, slo, arrival, p)
+
+
+def _parse(backend: Backend, body: bytes, chat: bool) -> tuple[CompletionRequest | ChatCompletionRequest, list[int]]:
+    """The request and its prompt's token ids: what a worker thread does for `_serve`."""
+    req = decode_body(body, ChatCompletionRequest if chat else CompletionRequest)
+    if req.model is not None and req.model != backend.model_name:
+        raise APIError(404, f"model {req.model!r} is not served here; this server serves {backend.model_name!r}",
+                       "model_not_found")
+    return req, _prompt_ids(backend, req, chat)
 
 
 def _prompt_ids(backend: Backend, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> list[int]:
@@ -245,47 +439,58 @@ def _prompt_ids(backend: Backend, req: CompletionRequest | ChatCompletionRequest
         return prompt
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: send the prompt as a list of token ids")
+    limit = backend.max_model_len
+    if (at_least := tokenizer.min_num_tokens(prompt)) >= limit:
+        raise bad_request(f"prompt of at least {at_least} tokens leaves no room for output in the context length "
+                          f"of {limit} tokens", "context_length_exceeded")
     return tokenizer.encode(prompt)
 
 
-async def _whole(tokenizer: Tokenizer | None, writer: ResponseWriter, outputs: AsyncIterator[RequestOutput],
-                 out: RequestOutput, progress: _Progress, num_prompt_tokens: int) -> web.Response:
-    text = []
-    while True:
-        progress.add(out)
-        text.append(out.new_text)
-        if out.finished:
-            break
-        out = await anext(outputs)
-    if out.finish_reason == "error":
-        raise APIError(500, f"generation failed: {out.error}", "engine_error", "server_error")
-    body = writer.whole("".join(text), out.finish_reason, progress.take_logprobs(out, tokenizer, writer.chat),
-                        usage(num_prompt_tokens, len(progress.token_ids)))
+async def _whole(tokenizer: Tokenizer | None, writer: ResponseWriter, choices: _Choices, progress: list[_Progress],
+                 num_prompt_tokens: int) -> web.Response:
+    texts: list[list[str]] = [[] for _ in progress]
+    last: list[RequestOutput | None] = [None] * len(progress)
+    while (item := await choices.next()) is not None:
+        i, out = item
+        if out.finish_reason == "error":
+            raise APIError(500, f"generation failed: {out.error}", "engine_error", "server_error")
+        progress[i].add(out)
+        texts[i].append(out.new_text)
+        last[i] = out
+    bodies = []
+    for p, text, out in zip(progress, texts, last):
+        echo = p.take_echo()
+        bodies.append(((echo.text if echo else "") + "".join(text), out.finish_reason,
+                       p.take_logprobs(out, tokenizer, writer.chat, echo)))
+    body = writer.whole(bodies, usage(num_prompt_tokens, sum(len(p.token_ids) for p in progress)))
     return web.Response(body=body, content_type="application/json")
 
 
-async def _stream(request: web.Request, tokenizer: Tokenizer | None, writer: ResponseWriter,
-                  outputs: AsyncIterator[RequestOutput], out: RequestOutput, progress: _Progress,
-                  num_prompt_tokens: int, include_usage: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, tokenizer: Tokenizer | None, writer: ResponseWriter, choices: _Choices,
+                  progress: list[_Progress], num_prompt_tokens: int, include_usage: bool) -> web.StreamResponse:
+    """Every choice's chunks as they come, each with its index; the usage chunk once all have finished."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    first = True
+    first = [True] * len(progress)
     try:
-        while True:
-            progress.add(out)
+        while (item := await choices.next()) is not None:
+            i, out = item
+            p = progress[i]
+            p.add(out)
             if out.finish_reason == "error":
                 await response.write(sse(error_body(f"generation failed: {out.error}", "server_error",
                                                     "engine_error")))
                 break
-            if out.new_text or out.finished or (first and writer.chat):
-                await response.write(writer.chunk(out.new_text, out.finish_reason if out.finished else None,
-                                                  progress.take_logprobs(out, tokenizer, writer.chat), first))
-                first = False
-            if out.finished:
-                if include_usage:
-                    await response.write(writer.usage_chunk(usage(num_prompt_tokens, len(progress.token_ids))))
-                break
-            out = await anext(outputs)
+            if out.new_text or out.finished or (first[i] and (writer.chat or p.echo is not None)):
+                echo = p.take_echo()
+                text = (echo.text if echo else "") + out.new_text
+                await response.write(writer.chunk(text, out.finish_reason if out.finished else None,
+                                                  p.take_logprobs(out, tokenizer, writer.chat, echo), first[i], i))
+                first[i] = False
+        else:
+            if include_usage:
+                await response.write(writer.usage_chunk(usage(num_prompt_tokens,
+                                                              sum(len(p.token_ids) for p in progress))))
         await response.write(SSE_DONE)
         await response.write_eof()
     except ConnectionResetError:  # the client left mid-stream; leaving closes `outputs`, which aborts the request
@@ -306,11 +511,22 @@ def _record(metrics: ServerMetrics, tier: str, slo: SLO, arrival: float, progres
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Starts serving `app` (port 0: a free one); returns the runner (`await runner.cleanup()` stops) and the
     bound port. Handlers are cancelled when their client disconnects, which aborts the request."""
+    if app[ACCESS].api_key is None and not _is_loopback(host):
+        log.warning("serving on %s without an API key: anyone who reaches it may use it (set --api-key)", host)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     return runner, runner.addresses[0][1]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost, or "" (every interface)
+        return False
 
 
 async def serve_forever(app: web.Application, host: str, port: int) -> None:

@@ -7,6 +7,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from engine.engine import Engine, RequestOutput
@@ -17,14 +18,26 @@ from scheduler.types import StepStats
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True, frozen=True)
+class EngineLoad:
+    """What the engine holds between steps (a step's StepStats says the same as of its end)."""
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step: Callable[[StepStats, Any], None] | None = None,
-                 snapshot: Callable[[Engine], Any] | None = None):
+                 snapshot: Callable[[Engine], Any] | None = None,
+                 on_load: Callable[[EngineLoad], None] | None = None):
         """`on_step(stats, snapshot(engine))` runs on the event loop after every step; `snapshot` (None: no
-        snapshot) on the engine thread right after the step, where the engine's lists are consistent."""
+        snapshot) on the engine thread right after the step, where the engine's lists are consistent.
+        `on_load(load)` runs on the event loop when the engine's load changed with no step to say so (an abort,
+        a request added or ended while no step follows), so what the last step reported does not outlive it."""
         self.engine = engine
-        self.on_step, self.snapshot = on_step, snapshot
+        self.on_step, self.snapshot, self.on_load = on_step, snapshot, on_load
         self._stepped: tuple[StepStats, Any] | None = None  # the step just taken, set by the engine's step hook
+        self._load: EngineLoad | None = None  # as last told (by a step or by on_load)
         engine.step_hooks.append(self._after_step)
         self._commands: deque[tuple[Callable, concurrent.futures.Future | None]] = deque()
         self._wake = threading.Event()
@@ -53,13 +66,15 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        slo: SLO | str | None = None, arrival: float | None = None,
-                       tier: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tier: str | None = None, resumed_tokens: int = 0) -> AsyncIterator[RequestOutput]:
         """Adds the request (`Engine.add_request`: raising InvalidRequestError at once if it can't run) and yields
         its outputs; leaving the iteration early aborts the request and frees its KV."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         try:
-            await self.call(Engine.add_request, request_id, prompt, params, slo, arrival, tier)
+            if params.structured_output is not None:  # compiling a grammar can take a while: not on the step loop
+                await asyncio.to_thread(self.engine.compile_grammar, params)
+            await self.call(Engine.add_request, request_id, prompt, params, slo, arrival, tier, resumed_tokens)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -95,21 +110,33 @@ class AsyncEngine:
                 elif isinstance(result, RequestOutput):
                     outputs.append(result)  # an abort's final output
             stepped = self._stepped = None
-            if self.engine.has_unfinished():
+            idle = not self.engine.has_unfinished()
+            if not idle:
                 try:
                     outputs.extend(self.engine.step())
                 except Exception:  # the engine's own invariants broke: end everything loudly rather than hang
                     log.exception("engine step crashed; ending all requests")
                     outputs.extend(self._fail_all("engine step crashed"))
                 stepped = self._stepped
-            elif not self._commands:
+            load = self._changed_load() if stepped is None and self.on_load is not None else None
+            if outputs or stepped is not None or load is not None:
+                self._loop.call_soon_threadsafe(self._deliver, outputs, stepped, load)
+            if idle and not self._commands:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
-            if outputs or stepped is not None:
-                self._loop.call_soon_threadsafe(self._deliver, outputs, stepped)
+
+    def _changed_load(self) -> EngineLoad | None:
+        blocks = self.engine.blocks
+        load = EngineLoad(len(self.engine.running), len(self.engine.waiting),
+                          blocks.num_total_blocks - blocks.num_free_blocks())
+        if load == self._load:
+            return None
+        self._load = load
+        return load
 
     def _after_step(self, stats: StepStats) -> None:
         self._stepped = (stats, self.snapshot(self.engine) if self.snapshot is not None else None)
+        self._load = EngineLoad(stats.num_running, stats.num_waiting, stats.num_blocks_used)
 
     def _fail_all(self, reason: str) -> list[RequestOutput]:
         outs = []
@@ -119,10 +146,13 @@ class AsyncEngine:
             outs.append(out)
         return outs
 
-    def _deliver(self, outputs: list[RequestOutput], stepped: tuple[StepStats, Any] | None) -> None:
+    def _deliver(self, outputs: list[RequestOutput], stepped: tuple[StepStats, Any] | None,
+                 load: EngineLoad | None) -> None:
         for out in outputs:
             queue = self._streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
         if self.on_step is not None and stepped is not None:
             self.on_step(*stepped)
+        if load is not None:
+            self.on_load(load)

@@ -43,6 +43,8 @@ def default_model_path() -> str:
     config.pop("_model_name_or_path", None)
     config["architectures"] = ["LlamaForCausalLM"]
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    # the GGUF converter asks for a clean-up of spaces that transformers skips for BPE, with a warning at first decode
+    tokenizer.clean_up_tokenization_spaces = False
     tokenizer.save_pretrained(tmp)
     try:
         tmp.rename(folder)  # atomic: concurrent first uses see a whole folder or none

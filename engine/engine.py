@@ -17,7 +17,9 @@ from engine.config import EngineConfig
 from engine.executor import Executor, StepBatch
 from engine.model_config import ModelConfig
 from engine.request import Request, RequestStatus
+from engine.sampler import PromptSpan, TopLogprobs, skip_samples
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarMask, Grammars, StructuredOutput
 from engine.tokenizer import Detokenizer, Tokenizer
 from scheduler.attainability import AttainabilityChecker
 from scheduler.headroom import Headroom
@@ -53,6 +55,10 @@ class RequestOutput:
     num_cached_tokens: int
     first_scheduled_time: float | None = None
     error: str | None = None
+    top_logprobs: list[TopLogprobs] | None = None  # per output token, when `top_logprobs` and `logprobs` ask
+    # per prompt token (None for the first), complete from the first output on, when `prompt_logprobs` asks
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
 
 
 class Engine:
@@ -89,14 +95,22 @@ class Engine:
         # consistent picture there (the cluster worker takes its resident report from them)
         self.step_hooks: list[StepHook] = []
         self._seq_ids = itertools.count()
+        self.grammars = Grammars(tokenizer.hf, executor.vocab_size, sorted(self.eos_token_ids)) \
+            if tokenizer is not None else None
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    slo: SLO | str | None = None, arrival: float | None = None, tier: str | None = None) -> Request:
+                    slo: SLO | str | None = None, arrival: float | None = None, tier: str | None = None,
+                    resumed_tokens: int = 0) -> Request:
         """Validates and queues a request; raises InvalidRequestError (the engine is untouched) when it can't run.
 
         Its SLO is made concrete here unless a front end did so at its own admission (then `tier` names the tier
-        it resolved and `slo` is that request's SLO): `slo` is an SLO, a tier name or None (the default tier)."""
+        it resolved and `slo` is that request's SLO): `slo` is an SLO, a tier name or None (the default tier).
+
+        `resumed_tokens`: the prompt's last tokens are output that the request already streamed from another
+        instance (a stream migrated off a failed one; `max_tokens` counts what remains). They are prefilled again
+        with the prompt, and the request goes on as if it had produced them here: its text continues theirs
+        (stop strings across the seam, the same text held back) and a seeded generator is past their draws."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -115,16 +129,46 @@ class Engine:
         if len(ids) > self.executor.num_kv_blocks * self.block_size:
             raise InvalidRequestError(f"prompt of {len(ids)} tokens exceeds the KV pool "
                                       f"({self.executor.num_kv_blocks * self.block_size} tokens)")
+        if not 0 <= resumed_tokens < len(ids):
+            raise InvalidRequestError(f"resumed_tokens must be in [0, {len(ids)}) for a prompt of {len(ids)} tokens, "
+                                      f"got {resumed_tokens}")
+        detok = Detokenizer(self.tokenizer, params.stop)
+        for token in ids[len(ids) - resumed_tokens:]:
+            if detok.add(token):
+                raise InvalidRequestError("the resumed output already contains a stop string")
+        detok.take_delta(False)  # the client has that text already
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.executor.device).manual_seed(params.seed)
+            skip_samples(generator, self.executor.vocab_size, resumed_tokens)
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self._with_grammars(Grammars.matcher, params.structured_output)
+            if not all(grammar.accept_token(t) for t in ids[len(ids) - resumed_tokens:]):
+                raise InvalidRequestError("the resumed output does not follow the request's structured output")
         req = Request(request_id, next(self._seq_ids), ids, params, self.clock() if arrival is None else arrival,
-                      slo=slo, tier=tier, generator=generator)
+                      slo=slo, tier=tier, generator=generator, grammar=grammar)
         self.blocks.add_sequence(req.seq_id, ids)
         self.requests[request_id] = req
-        self.detok[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.detok[request_id] = detok
         self._enqueue(req)
         return req
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles the grammar of `params`' structured output unless it is compiled already. Thread-safe, and it
+        touches no request: a front end calls it off the step loop so that `add_request` finds the grammar compiled.
+        Raises InvalidRequestError for a structured output that cannot be served."""
+        if params.structured_output is not None:
+            self._with_grammars(Grammars.compile, params.structured_output)
+
+    def _with_grammars(self, method, spec: StructuredOutput):
+        """method(self.grammars, spec), its refusals as InvalidRequestError."""
+        if self.grammars is None:
+            raise InvalidRequestError("structured output needs the model's tokenizer, and this model has none")
+        try:
+            return method(self.grammars, spec)
+        except ValueError as e:
+            raise InvalidRequestError(f"structured output: {e}") from None
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -178,11 +222,15 @@ class Engine:
         num_decode = sum(1 for r, n in items if is_decode(r, n))
         num_prefill = int(new.sum()) - num_decode
         num_kv = int(meta.seq_lens.sum())
+        spans = [(r, span) for b, (r, n) in enumerate(items) if r.params.prompt_logprobs
+                 and (span := self._prompt_span(r, n, int(meta.query_start_loc[b]))) is not None]
         batch = StepBatch(meta, [r.params for r in sampled], [r.generator for r in sampled],
-                          num_prefill, num_decode, num_kv, len(items))
+                          num_prefill, num_decode, num_kv, len(items),
+                          grammar=GrammarMask.of([r.grammar for r in sampled], self.executor.vocab_size),
+                          prompt_spans=[span for _, span in spans])
         self.iteration_end = start + self.latency_model.predict(num_prefill, num_decode, num_kv)
         try:
-            tokens, logprobs = self.executor.execute(batch)
+            result = self.executor.execute(batch)
         except Exception as e:  # a failed forward ends this batch's requests with an error, not the engine
             log.exception("step failed; ending its %d requests with an error", len(reqs))
             for r in reqs:
@@ -192,8 +240,13 @@ class Engine:
         for r, n in items:
             r.num_computed_tokens += n
             self.blocks.mark_computed(r.seq_id, r.num_computed_tokens)
-        outputs = [self._append_token(r, t, None if logprobs is None else logprobs[i], now)
-                   for i, (r, t) in enumerate(zip(sampled, tokens))]
+        for (r, _), got in zip(spans, result.prompt_logprobs or ()):
+            r.prompt_logprobs.extend(got.logprobs)
+            r.prompt_top_logprobs.extend(got.top_logprobs or [None] * len(got.logprobs))
+        logprobs, top = result.logprobs, result.top_logprobs
+        outputs = [self._append_token(r, t, None if logprobs is None else logprobs[i],
+                                      None if top is None else top[i], now)
+                   for i, (r, t) in enumerate(zip(sampled, result.token_ids))]
         stats = StepStats(start, self.clock() - start, num_prefill, num_decode, num_kv,
                           self.blocks.num_total_blocks - self.blocks.num_free_blocks(), len(self.running),
                           len(self.waiting), len(items))
@@ -213,7 +266,9 @@ class Engine:
                 continue
             newcomer = req.status is RequestStatus.WAITING
             if newcomer and req.num_blocks == 0:
-                cached = self.blocks.allocate_cached_prefix(req.seq_id)
+                # prompt logprobs still to compute need the logits of every prompt position: no cache hits
+                wants_prompt = req.params.prompt_logprobs and len(req.prompt_logprobs) < req.num_prompt_tokens
+                cached = 0 if wants_prompt else self.blocks.allocate_cached_prefix(req.seq_id)
                 req.num_computed_tokens = cached
                 if req.num_output_tokens == 0:
                     req.num_cached_tokens = cached
@@ -242,25 +297,43 @@ class Engine:
             self.running.remove(req)
             self._enqueue(req)
 
-    def _append_token(self, req: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
+    @staticmethod
+    def _prompt_span(req: Request, num_new: int, first_row: int) -> PromptSpan | None:
+        """The positions of this step's chunk whose next prompt token has no log-probability yet (a chunk computed
+        again after a preemption has them already)."""
+        start = req.num_computed_tokens  # position p scores prompt token p + 1
+        first = max(start + 1, len(req.prompt_logprobs))  # prompt index of the first token to score
+        end = min(start + num_new + 1, req.num_prompt_tokens)
+        if end <= first:
+            return None
+        return PromptSpan(first_row + first - 1 - start, req.prompt_token_ids[first:end], req.params.top_logprobs)
+
+    def _append_token(self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None,
+                      now: float) -> RequestOutput:
         req.standing = self.headroom.note_token(req.standing, req.num_output_tokens == 0,
                                                 now > next_token_deadline(req))
         req.append_output(token, now)
         if logprob is not None and req.params.logprobs:
             req.output_logprobs.append(logprob)
+            if top is not None:
+                req.output_top_logprobs.append(top)
         self.blocks.append_token(req.seq_id, token)
         detok = self.detok[req.request_id]
         p = req.params
-        reason = None
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        reason = error = None
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            reason, error = "error", f"token {token} does not follow the request's structured output"
+        elif (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
         elif detok.add(token):
+            reason = "stop"
+        elif req.grammar is not None and req.grammar.is_terminated():  # its document is complete
             reason = "stop"
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self.running.remove(req)
-            return self._finish(req, reason, new_token_ids=[token])
+            return self._finish(req, reason, new_token_ids=[token], error=error)
         return self._output(req, [token], detok.take_delta(False))
 
     def _finish(self, req: Request, reason: str, new_token_ids: list[int] | None = None,
@@ -284,4 +357,7 @@ class Engine:
             finish_reason=req.finish_reason, arrival=req.arrival,
             first_token_time=req.token_times[0] if req.token_times else None, token_times=req.token_times,
             logprobs=req.output_logprobs if req.params.logprobs else None, num_cached_tokens=req.num_cached_tokens,
-            first_scheduled_time=req.first_scheduled_time, error=req.error)
+            first_scheduled_time=req.first_scheduled_time, error=req.error,
+            top_logprobs=req.output_top_logprobs if req.params.logprobs and req.params.top_logprobs else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if req.params.prompt_logprobs else None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineLoad
 from engine.engine import Engine, RequestOutput
 from engine.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ class EngineBackend:
         self.max_pending, self.retry_after_s = max_pending, retry_after_s
         self._num_kv_blocks = engine.blocks.num_total_blocks
         self.metrics: ServerMetrics | None = None
-        self.async_engine = AsyncEngine(engine, on_step=self._on_step)
+        self.async_engine = AsyncEngine(engine, on_step=self._on_step, on_load=self._on_load)
         self._pending = 0
         self._running = False
 
@@ -98,3 +98,8 @@ class EngineBackend:
         self.metrics.observe_batch(INSTANCE, stats.num_seqs)
         self.metrics.observe_step(INSTANCE, stats.duration, stats.num_blocks_used / self._num_kv_blocks,
                                   stats.num_running, stats.num_waiting)
+
+    def _on_load(self, load: EngineLoad) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_load(INSTANCE, load.num_blocks_used / self._num_kv_blocks, load.num_running,
+                                      load.num_waiting)

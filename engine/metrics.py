@@ -82,6 +82,11 @@ class ServerMetrics:
     def observe_step(self, instance: str, duration_s: float, kv_usage: float, num_running: int,
                      num_waiting: int) -> None:
         self.iteration_time.labels(instance).observe(duration_s)
+        self.observe_load(instance, kv_usage, num_running, num_waiting)
+
+    def observe_load(self, instance: str, kv_usage: float, num_running: int, num_waiting: int) -> None:
+        """What an instance holds now: after each step, and after what changed it with no step to follow (an
+        abort, the last finish), so that an idle instance does not show its last busy step."""
         self.kv_usage.labels(instance).set(kv_usage)
         self.running.labels(instance).set(num_running)
         self.waiting.labels(instance).set(num_waiting)

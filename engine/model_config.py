@@ -51,7 +51,10 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise ModelFolderError(f"{cfg_file} is missing: not a Hugging Face model folder")
         cfg = json.loads(cfg_file.read_text())
-        archs = cfg.get("architectures") or []
+        # a config without architectures (as saved from a GGUF-loaded model) is named by its model_type alone, as
+        # transformers' AutoModelForCausalLM reads it
+        archs = cfg.get("architectures") or [a for a, family in SUPPORTED_ARCHITECTURES.items()
+                                              if family == cfg.get("model_type")]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelFolderError(f"unsupported architecture {archs or cfg.get('model_type')!r} in {cfg_file}; "

@@ -9,7 +9,7 @@ from engine.executor import StepBatch
 from engine.loader import load_weights
 from engine.model_config import DTYPES, ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import sample
+from engine.sampler import SamplerOutput, sample, span_logprobs
 from kernels import get_ops
 
 
@@ -54,12 +54,10 @@ class ModelRunner:
         return int(kv_cache_memory // per_block)
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> tuple[list[int], list[float] | None]:
+    def execute(self, batch: StepBatch) -> SamplerOutput:
         meta, dev = batch.meta, self.device
         if self.graphs is not None and self.graphs.fits(len(meta.seq_lens), len(meta.input_ids)):
-            hidden = self.graphs.run(meta)
-            logits = self.model.compute_logits(hidden[torch.from_numpy(meta.logits_indices).to(dev)])
-            return sample(logits, batch.params, batch.generators)
+            return self._sample(self.graphs.run(meta), batch)
         input_ids = torch.from_numpy(meta.input_ids).to(dev, non_blocking=True)
         positions = torch.from_numpy(meta.positions).to(dev, non_blocking=True)
         seq_lens = torch.from_numpy(meta.seq_lens)
@@ -74,10 +72,18 @@ class ModelRunner:
         ))
         try:
             hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden[torch.from_numpy(meta.logits_indices).to(dev)])
         finally:
             set_context(None)
-        return sample(logits, batch.params, batch.generators)
+        return self._sample(hidden, batch)
+
+    def _sample(self, hidden: torch.Tensor, batch: StepBatch) -> SamplerOutput:
+        logits = self.model.compute_logits(hidden[torch.from_numpy(batch.meta.logits_indices).to(self.device)])
+        out = sample(logits, batch.params, batch.generators, batch.grammar)
+        if batch.prompt_spans:  # the logits of every prompt position, only for the requests that ask
+            rows = torch.cat([torch.arange(s.first_row, s.first_row + len(s.next_token_ids))
+                              for s in batch.prompt_spans]).to(self.device)
+            out.prompt_logprobs = span_logprobs(self.model.compute_logits(hidden[rows]), batch.prompt_spans)
+        return out
 
 
 def pack_linears_for_onednn(model: torch.nn.Module, batch_hint: int = 16) -> None:

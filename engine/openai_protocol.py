@@ -3,15 +3,23 @@ responses and stream chunks. No I/O here; `engine.api_server` does the serving.
 
 Extras beyond OpenAI's fields: `top_k`, `ignore_eos`, and an SLO per request (`slo: {"ttft_ms", "tpot_ms"}` or
 `slo_tier: "name"` in the body, or the headers x-slo-ttft-ms + x-slo-tpot-ms, or x-slo-tier).
+
+Logprobs (chat `logprobs` + `top_logprobs`, completions `logprobs: k`, both up to 20 alternatives) are those of the
+model's own distribution, before temperature, top-k and top-p (vLLM's default); the legacy object's top_logprobs
+also holds the chosen token. Completions `echo` sends the prompt back first, and with `logprobs` its tokens' too (the
+first one's null). `n` parallel samples share the prompt's KV blocks (`engine.api_server`); with a seed, sample i
+draws from a seed derived from it. Fields that would change the output and are not implemented (`UNSUPPORTED`,
+tools and tool messages among them) are refused with a 400 naming them; other unknown fields are ignored.
 """
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from engine.structured_output import JSON_OBJECT, JSON_SCHEMA, StructuredOutput
 from scheduler.slo import SLO
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -48,6 +56,18 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class JsonSchemaBody(msgspec.Struct):
+    name: str | None = None  # OpenAI requires it; it names the schema and changes nothing here
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # the grammar holds the output to the schema whatever this says
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaBody | None = None
+
+
 class _Common(msgspec.Struct, kw_only=True):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does for most."""
     model: str | None = None
@@ -56,18 +76,32 @@ class _Common(msgspec.Struct, kw_only=True):
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None  # what torch generators take
     stop: str | list[str] | None = None
-    n: PositiveInt = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1  # parallel samples of the prompt, each one choice
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     slo: SLOBody | None = None
     slo_tier: str | None = None
+    response_format: ResponseFormat | None = None
+    # Fields that would change the output and that this server does not implement: any value but a harmless one
+    # is refused by `decode_body`, naming the field (`UNSUPPORTED`). Declared so that they are seen at all.
+    logit_bias: Any = msgspec.UNSET
+    presence_penalty: Any = msgspec.UNSET
+    frequency_penalty: Any = msgspec.UNSET
+    repetition_penalty: Any = msgspec.UNSET  # vLLM's extras from here on
+    min_p: Any = msgspec.UNSET
+    min_tokens: Any = msgspec.UNSET
+    use_beam_search: Any = msgspec.UNSET
 
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list  # a string, token ids, or a batch of one of either (checked in `prompt_of`)
     max_tokens: PositiveInt = 16  # OpenAI's default for completions
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # the chosen token's log-probability and this many alternatives per token (OpenAI allows 5)
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False  # the prompt comes back before the completion, with its logprobs when they are asked
+    best_of: Any = msgspec.UNSET
+    suffix: Any = msgspec.UNSET
 
 
 class ContentPart(msgspec.Struct):
@@ -78,24 +112,63 @@ class ContentPart(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: Any = msgspec.UNSET  # refused unless empty: no tool calling
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: bool = False  # chosen tokens' only: top_logprobs come back empty
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # with logprobs only
+    tools: Any = msgspec.UNSET
+    tool_choice: Any = msgspec.UNSET
+    functions: Any = msgspec.UNSET
+    function_call: Any = msgspec.UNSET
+    audio: Any = msgspec.UNSET
+    modalities: Any = msgspec.UNSET
+    prediction: Any = msgspec.UNSET
+    reasoning_effort: Any = msgspec.UNSET
+    web_search_options: Any = msgspec.UNSET
+
+
+MAX_N = 128  # as OpenAI
+# field -> the values of it that change nothing; any other value is refused with a 400 naming the field
+UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "use_beam_search": (None, False),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "reasoning_effort": (None,), "web_search_options": (None,),
+}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> template's
 
 
 def decode_body(raw: bytes, kind: type[msgspec.Struct]):
+    """The request of one endpoint, checked: what it cannot be (types, ranges) and what this server does not do
+    (`UNSUPPORTED`, best_of other than n, tool messages)."""
     try:
         req = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as e:
         raise bad_request(f"invalid request body: {e}", "invalid_field") from None
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}", "invalid_json") from None
-    if req.n != 1:
-        raise bad_request(f"n must be 1 (one choice per request), got {req.n}", "invalid_field")
+    for name, harmless in UNSUPPORTED.items():
+        value = getattr(req, name, msgspec.UNSET)
+        if value is not msgspec.UNSET and value not in harmless:
+            raise bad_request(f"{name} is not supported by this server", "unsupported_field")
+    if isinstance(req, CompletionRequest) and req.best_of not in (msgspec.UNSET, None, req.n):
+        raise bad_request(f"best_of is not supported by this server (other than equal to n, {req.n})",
+                          "unsupported_field")
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "invalid_field")
+        for i, m in enumerate(req.messages):
+            if m.role not in CHAT_ROLES:
+                raise bad_request(f"messages[{i}]: role {m.role!r} is not supported (one of "
+                                  f"{', '.join(CHAT_ROLES)}; this server does no tool calling)", "invalid_field")
+            if m.tool_calls not in (msgspec.UNSET, None, []):
+                raise bad_request(f"messages[{i}]: tool_calls is not supported by this server", "unsupported_field")
     return req
 
 
@@ -127,18 +200,35 @@ def messages_of(req: ChatCompletionRequest) -> list[dict]:
             content = "".join(p.text for p in m.content)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        out.append({"role": CHAT_ROLES[m.role], "content": content})
     return out
 
 
+def structured_output_of(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+    """The structured output `response_format` asks for; None for free text."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == JSON_OBJECT:
+        return StructuredOutput(JSON_OBJECT)
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise bad_request("response_format of type json_schema needs json_schema.schema", "invalid_field")
+    return StructuredOutput(JSON_SCHEMA, msgspec.json.encode(fmt.json_schema.schema).decode())
+
+
 def sampling_params_of(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
-    logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs
+    if isinstance(req, CompletionRequest):
+        logprobs, top_logprobs = req.logprobs is not None, req.logprobs or 0
+        prompt_logprobs = req.echo and logprobs
+    else:
+        logprobs, top_logprobs, prompt_logprobs = req.logprobs, req.top_logprobs or 0, False
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
             max_tokens=max_tokens, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+            structured_output=structured_output_of(req))
     except ValueError as e:
         raise bad_request(str(e), "invalid_field") from None
 
@@ -175,14 +265,24 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
             "total_tokens": num_prompt_tokens + num_completion_tokens}
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    """OpenAI's legacy logprobs object, chosen tokens only (no alternatives: top_logprobs is null)."""
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+Alternatives = list[tuple[str, float]]  # a position's most likely tokens as text, with their log-probabilities
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], top: list[Alternatives | None],
+                        text_offset: list[int]) -> dict:
+    """OpenAI's legacy logprobs object. A position's top_logprobs maps token text to log-probability: its
+    alternatives and the chosen token (up to logprobs + 1 entries, as OpenAI's); null, with a null logprob, for an
+    echoed prompt's first token, which nothing predicts."""
+    return {"tokens": tokens, "token_logprobs": logprobs,
+            "top_logprobs": [None if alts is None else {**dict(alts), t: lp}
+                             for t, lp, alts in zip(tokens, logprobs, top)],
+            "text_offset": text_offset}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float], top: list[Alternatives]) -> dict:
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                         "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode())} for a, v in alts]}
+                        for t, lp, alts in zip(tokens, logprobs, top)]}
 
 
 class ResponseWriter:
@@ -198,25 +298,28 @@ class ResponseWriter:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def whole(self, text: str, finish_reason: str, logprobs: dict | None, usage_: dict) -> bytes:
+    def whole(self, choices: list[tuple[str, str, dict | None]], usage_: dict) -> bytes:
+        """choices: (text, finish reason, logprobs object) of each, in index order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
-            body = self._envelope("chat.completion", [choice])
+            body = self._envelope("chat.completion", [
+                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                 "finish_reason": finish_reason} for i, (text, finish_reason, logprobs) in enumerate(choices)])
         else:
-            body = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": logprobs,
-                                                       "finish_reason": finish_reason}])
+            body = self._envelope("text_completion", [
+                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                for i, (text, finish_reason, logprobs) in enumerate(choices)])
         body["usage"] = usage_
         return msgspec.json.encode(body)
 
-    def chunk(self, text: str, finish_reason: str | None, logprobs: dict | None, first: bool = False) -> bytes:
+    def chunk(self, text: str, finish_reason: str | None, logprobs: dict | None, first: bool = False,
+              index: int = 0) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
                 ({"content": text} if text or finish_reason is None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             body = self._envelope("chat.completion.chunk", [choice])
         else:
-            body = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": logprobs,
+            body = self._envelope("text_completion", [{"index": index, "text": text, "logprobs": logprobs,
                                                        "finish_reason": finish_reason}])
         return sse(msgspec.json.encode(body))
 

@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.sampler import TopLogprobs
 from engine.sampling_params import SamplingParams
 from scheduler.headroom import ON_TIME
 from scheduler.slo import SLO, deadline_terms
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 class RequestStatus(enum.Enum):
@@ -28,6 +33,10 @@ class Request:
     tier: str  # the SLO tier it was admitted under: its output lengths feed that tier's running mean
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # every prompt token's log-probability, None for the first (nothing predicts it); filled chunk by chunk
+    prompt_logprobs: list[float | None] = field(default_factory=lambda: [None])
+    prompt_top_logprobs: list[TopLogprobs | None] = field(default_factory=lambda: [None])
     token_times: list[float] = field(default_factory=list)  # emit time of every output token
     first_scheduled_time: float | None = None  # when it first got a slot in a batch: arrival to here is queueing
     num_computed_tokens: int = 0
@@ -37,6 +46,7 @@ class Request:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     generator: torch.Generator | None = None
+    grammar: xgr.GrammarMatcher | None = None  # its structured output's matcher, advanced with every output token
     # counters read by the batch policy every step: plain attributes, kept by `append_output`
     num_prompt_tokens: int = field(init=False)
     num_output_tokens: int = field(init=False, default=0)

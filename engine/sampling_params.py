@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutput
+
+
+MAX_TOP_LOGPROBS = 20  # the alternatives one position may ask for: bounds the sampler's top-k
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -15,6 +20,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
+    # with logprobs and prompt_logprobs: this many most likely alternatives of every position too
+    top_logprobs: int = 0
+    # the log-probability of every prompt token after the first (its prompt is then computed, never served from the
+    # prefix cache: cached positions have no logits)
+    prompt_logprobs: bool = False
+    structured_output: StructuredOutput | None = None  # None: free text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -33,6 +44,14 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
+            raise ValueError("top_logprobs needs logprobs or prompt_logprobs")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
+            self.structured_output.check()
         if self.top_k == -1:
             self.top_k = 0
 

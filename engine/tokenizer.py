@@ -1,9 +1,13 @@
 """Tokenizer of the model folder, and incremental detokenization with exact stop-string cuts."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from engine.model_config import ModelFolderError
+
+# Pre-tokenizer steps that keep every byte of the text (a "removed" split drops its matches).
+_BYTE_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Punctuation", "Split"}
 
 
 class Tokenizer:
@@ -11,10 +15,21 @@ class Tokenizer:
         from transformers import AutoTokenizer  # heavy import, only when a real tokenizer is needed
 
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            # No clean-up of spaces around punctuation: the engine decodes a window of tokens at a time, and a
+            # clean-up that reads its neighbours would make the streamed text differ from the whole. Transformers
+            # skips it for BPE (every supported family) anyway, with a warning unless it is set false.
+            self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                    clean_up_tokenization_spaces=False)
         except (OSError, ValueError) as e:
             raise ModelFolderError(f"no usable tokenizer in {folder}: {e}") from None
         self.eos_token_id = self.hf.eos_token_id
+        self.max_bytes_per_token = _max_bytes_per_token(self.hf)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound of `len(self.encode(text))` that reads only the text's length (0 where none is known):
+        a prompt far over the context length is refused without tokenizing it."""
+        most = self.max_bytes_per_token
+        return -(-len(text) // most) if most else 0  # a character is at least one byte
 
     @classmethod
     def of_folder(cls, folder: str | Path) -> "Tokenizer | None":
@@ -34,6 +49,28 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
+
+
+def _max_bytes_per_token(hf) -> int | None:
+    """The most bytes of text one token can stand for, where that bounds the token count of any text: a byte-level
+    BPE whose normalizer and pre-tokenizer drop nothing (GPT-2, Llama 3, SmolLM2). None otherwise (a normalizer may
+    shrink the text, a pre-tokenizer may drop whitespace)."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    # the components' own JSON (their pickled state): the whole tokenizer's would take far longer to read
+    normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
+    pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer is not None else None
+    if normalizer is not None and normalizer != {"type": "Sequence", "normalizers": []}:
+        return None
+    steps = pre.get("pretokenizers", []) if pre is not None and pre.get("type") == "Sequence" else [pre]
+    if not any(s is not None and s.get("type") == "ByteLevel" for s in steps) or any(
+            s is None or s.get("type") not in _BYTE_KEEPING_PRE_TOKENIZERS or s.get("behavior") == "Removed"
+            for s in steps):
+        return None
+    vocab = max(map(len, backend.get_vocab(with_added_tokens=False)))  # one character per byte
+    added = (len(t.content.encode()) for t in backend.get_added_tokens_decoder().values())
+    return max([vocab, *added])
 
 
 class Detokenizer:

@@ -1,7 +1,7 @@
 """A live fleet of emulated engine processes behind the router service: placement follows the policy (packing a
 tier's busiest instance, scale-up from the idle pool, promotion only when the own tier is full), instances return
 to the pool and the surplus is drained before its process stops; and engines that hang or die mid-load: every
-request ends with its completion or an explicit error, none hangs, replacements start."""
+request completes (placed again, or migrated mid-stream), none hangs, replacements start."""
 from __future__ import annotations
 
 import asyncio
@@ -197,20 +197,14 @@ def test_hung_and_killed_engines_lose_no_request(tiny_model):
         await wait_for(lambda: all(client.placed_on(f"c{i}") for i in range(3)), 10, "c placed")
         crashed = client.placed_on("c0")
         assert crashed != hung
-        started = {f"c{i}" for i in range(3) if client.placed_on(f"c{i}") == crashed and
-                   service.streams[f"c{i}"].started}
         os.kill(launcher.pid(crashed), signal.SIGKILL)
 
         results = await client.results(120)
-        for rid in ("a0", "a1"):  # streaming on the hung instance: an explicit error
-            reason, n, error = results[rid]
-            assert reason == "error" and 0 < n < 400 and hung in error and "mid-stream" in error
-        for rid in ("c0", "c1", "c2"):
-            reason, n, error = results[rid]
-            if rid in started:  # streaming on the crashed one: an explicit error
-                assert reason == "error" and crashed in error
-            else:  # no token yet where it was: placed again, completed in full
-                assert (reason, n, error) == ("length", 300, None)
+        # streaming on the hung instance: migrated, completed in full
+        assert [results[rid] for rid in ("a0", "a1")] == [("length", 400, None)] * 2
+        # streaming on the crashed one (migrated), or no token yet there (placed again): completed in full
+        assert [results[rid] for rid in ("c0", "c1", "c2")] == [("length", 300, None)] * 3
+        assert service.counts["migrated"] >= 2  # a0, a1; and any c that had streamed from the crashed one
         # replacements: the fleet is back at its minimum of two live instances, none of them the dead ones
         await wait_for(lambda: fleet.count(InstanceStatus.READY) == 2, 60, "two instances again")
         assert hung not in fleet.instances and crashed not in fleet.instances

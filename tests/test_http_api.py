@@ -142,7 +142,7 @@ BAD_INPUTS = [  # (id, path, body, headers, status, code, words in the message)
      "invalid_request", "outside the vocabulary"),
     ("prompt-over-context", "/v1/completions", {**OK, "prompt": [1] * MAX_MODEL_LEN}, None, 400,
      "context_length_exceeded", "no room for output"),
-    ("n-2", "/v1/completions", {**OK, "n": 2}, None, 400, "invalid_field", "n must be 1"),
+    ("n-over-openai-bound", "/v1/completions", {**OK, "n": 129}, None, 400, "invalid_field", "$.n"),
     ("unknown-model", "/v1/completions", {**OK, "model": "gpt-9"}, None, 404, "model_not_found", "gpt-9"),
     ("unknown-tier", "/v1/completions", {**OK, "slo_tier": "platinum"}, None, 400, "invalid_slo",
      "unknown tier 'platinum'"),

@@ -36,7 +36,7 @@ def test_top_k_and_top_p_never_emit_excluded_tokens():
     order = logits.argsort(dim=-1, descending=True)
     probs = logits.softmax(-1)
     for trial in range(300):
-        tokens, _ = sample(logits.clone(), params, [None] * 6)
+        tokens = sample(logits.clone(), params, [None] * 6).token_ids
         for row, (tok, p) in enumerate(zip(tokens, params)):
             rank = (order[row] == tok).nonzero().item()
             if p.top_k:
@@ -52,7 +52,7 @@ def test_sampling_follows_the_distribution():
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(4)
     for _ in range(4000):
-        tok, _ = sample(logits.clone(), [SamplingParams(temperature=1.0)], [gen])
+        tok = sample(logits.clone(), [SamplingParams(temperature=1.0)], [gen]).token_ids
         counts[tok[0]] += 1
     freq = counts / counts.sum()
     assert torch.allclose(freq[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.03) and counts[3] == 0
@@ -60,9 +60,9 @@ def test_sampling_follows_the_distribution():
 
 def test_logprobs_are_those_of_the_chosen_tokens():
     logits = torch.randn(3, 20)
-    tokens, logprobs = sample(logits.clone(), [SamplingParams(temperature=0, logprobs=True)] * 3, [None] * 3)
-    expected = logits.log_softmax(-1)[torch.arange(3), tokens]
-    assert torch.allclose(torch.tensor(logprobs), expected)
+    out = sample(logits.clone(), [SamplingParams(temperature=0, logprobs=True)] * 3, [None] * 3)
+    expected = logits.log_softmax(-1)[torch.arange(3), out.token_ids]
+    assert torch.allclose(torch.tensor(out.logprobs), expected)
 
 
 def test_stop_token_ids_and_max_tokens(llm):
