@@ -9,7 +9,7 @@ from typing import Callable, Protocol
 import torch
 
 from engine._C import BatchMetadata
-from engine.sampler import PromptSpan, SamplerOutput, SpanLogprobs
+from engine.sampler import IMPOSSIBLE_LOGPROB, PromptSpan, SamplerOutput, SpanLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarMask
 
@@ -78,6 +78,3 @@ class EmulatedExecutor:
 
     def _certain(self, token: int, k: int) -> list[tuple[int, float]]:
         return [(token, 0.0)] + [((token + j) % self.vocab_size, IMPOSSIBLE_LOGPROB) for j in range(1, k)]
-
-
-IMPOSSIBLE_LOGPROB = -9999.0

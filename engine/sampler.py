@@ -55,6 +55,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return SamplerOutput(tokens.tolist(), logprobs, top)
 
 
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
 def top_logprobs(logprobs: torch.Tensor, counts: list[int]) -> list[TopLogprobs | None] | None:
     """The `counts[i]` most likely tokens of row i of log-probabilities [B, V]; None for rows that ask none, and
     None when no row asks (one top-k over the rows that ask, at the largest count)."""
@@ -64,6 +67,8 @@ def top_logprobs(logprobs: torch.Tensor, counts: list[int]) -> list[TopLogprobs 
     k = max(counts[i] for i in rows)
     values, ids = logprobs[torch.tensor(rows, device=logprobs.device)].topk(k, dim=-1)
     out: list[TopLogprobs | None] = [None] * len(counts)
+    # a token a grammar forbids has logprob -inf, which JSON cannot carry: vLLM's floor for "impossible" instead
+    values = values.clamp(min=IMPOSSIBLE_LOGPROB)
     for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist()):
         out[row] = list(zip(row_ids[:counts[row]], row_values[:counts[row]]))
     return out

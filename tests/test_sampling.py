@@ -1,6 +1,8 @@
 """Sampling controls: seeds, top-k/top-p exclusion, stop strings and stop tokens, logprobs."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -111,3 +113,11 @@ def test_stop_string_on_the_real_tokenizer(default_model):
     cut = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40, stop=["never-there", stop]))[0]
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[:free.text.index(stop)]
+
+
+def test_top_logprobs_of_forbidden_tokens_are_the_finite_floor():
+    from engine.sampler import IMPOSSIBLE_LOGPROB, top_logprobs
+    logprobs = torch.log_softmax(torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]]), dim=-1)
+    top = top_logprobs(logprobs, [4])[0]
+    assert [t for t, _ in top[:2]] == [2, 0] and all(math.isfinite(v) for _, v in top)
+    assert [v for _, v in top[2:]] == [IMPOSSIBLE_LOGPROB, IMPOSSIBLE_LOGPROB]
