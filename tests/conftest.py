@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random checkpoints of every supported layout, and the real default model."""
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -83,3 +85,18 @@ def h200_fleet():
     factory = WorkloadFactory(load_trace("azure2023_conv"), tiers, model, cfg.kv_blocks * cfg.block_size,
                               cfg.max_prefill_chunk)
     return model, tiers, factory
+
+
+@contextlib.contextmanager
+def serving_fleet(argv: list[str], timeout_s: float = 90.0):
+    """`python -m cluster.serve argv` in this process, on a server thread: (server, backend) once an engine serves."""
+    from cluster.serve import build_backend, parse_args
+    from engine.api_server import ServerThread, build_app
+
+    backend = build_backend(parse_args(argv))
+    with ServerThread(build_app(backend)) as server:
+        deadline = time.monotonic() + timeout_s
+        while not backend.ready:
+            assert time.monotonic() < deadline, "the engine process did not come up"
+            time.sleep(0.05)
+        yield server, backend

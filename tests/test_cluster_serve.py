@@ -11,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from conftest import serving_fleet
+
 from cluster.backend import RouterBackend
 from cluster.router import Router
-from cluster.serve import build_backend, parse_args
 from cluster.service import RouterService
 from engine import LLM, SamplingParams
 from engine.api_server import ServerThread, build_app
@@ -27,14 +28,10 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def cluster(default_model):
-    backend = build_backend(parse_args([
-        "--model", default_model, "--executor", "emulated", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-        "--tiers", TIERS, "--min-instances", "1", "--max-instances", "1", "--idle-pool", "0", "--queue-limit", "1"]))
-    with ServerThread(build_app(backend)) as server:
-        deadline = time.monotonic() + 90
-        while not backend.ready:
-            assert time.monotonic() < deadline, "the engine process did not come up"
-            time.sleep(0.05)
+    with serving_fleet([
+            "--model", default_model, "--executor", "emulated", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+            "--tiers", TIERS, "--min-instances", "1", "--max-instances", "1", "--idle-pool", "0", "--queue-limit",
+            "1"]) as (server, backend):
         yield backend, server
 
 

@@ -3,9 +3,10 @@ samples (n) sharing their prompt's KV blocks, and, over HTTP with the official c
 server and through the router, logprobs / top_logprobs, echo, n, and a 400 naming every unsupported field."""
 from __future__ import annotations
 
-import time
 
 import pytest
+
+from conftest import serving_fleet
 import torch
 
 from engine import LLM, SamplingParams
@@ -110,17 +111,10 @@ def served(request, offline, default_model):
         with ServerThread(build_app(backend)) as server:
             yield server, backend
         return
-    from cluster.serve import build_backend, parse_args
-
-    backend = build_backend(parse_args([
-        "--model", default_model, "--executor", "model", "--num-kv-blocks", "64", "--max-model-len",
-        str(MAX_MODEL_LEN), "--tiers", TIERS, "--default-tier", "slow", "--min-instances", "1", "--max-instances",
-        "1", "--idle-pool", "0", "--served-model-name", MODEL]))
-    with ServerThread(build_app(backend)) as server:
-        deadline = time.monotonic() + 120
-        while not backend.ready:
-            assert time.monotonic() < deadline, "the engine process did not come up"
-            time.sleep(0.05)
+    with serving_fleet([
+            "--model", default_model, "--executor", "model", "--num-kv-blocks", "64", "--max-model-len",
+            str(MAX_MODEL_LEN), "--tiers", TIERS, "--default-tier", "slow", "--min-instances", "1", "--max-instances",
+            "1", "--idle-pool", "0", "--served-model-name", MODEL], timeout_s=120) as (server, _):
         yield server, None
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import openai
 import pydantic
 import pytest
+
+from conftest import serving_fleet
 import torch
 
 from engine import LLM, SamplingParams
@@ -274,8 +275,6 @@ def test_bad_response_formats_are_400_naming_the_problem(client, fmt, reason):
 def test_router_forwards_response_format_to_its_engine(default_model):
     """One emulated engine process behind the router: the same document as the offline emulated engine (its tokens
     are the nearest the grammar allows), and a bad schema refused with 400 from the worker."""
-    from cluster.serve import build_backend, parse_args
-
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
               "required": ["color", "ok"]}
     params = SamplingParams(temperature=0, max_tokens=40, structured_output=schema_of(schema))
@@ -283,14 +282,9 @@ def test_router_forwards_response_format_to_its_engine(default_model):
     want = offline.chat(ASK, params)[0]
     assert want.finish_reason == "stop"
     validate(json.loads(want.text), schema)
-    backend = build_backend(parse_args([
-        "--model", default_model, "--executor", "emulated", "--num-kv-blocks", "64", "--tiers", "std:2000:20000",
-        "--min-instances", "1", "--max-instances", "1", "--idle-pool", "0"]))
-    with ServerThread(build_app(backend)) as server:
-        deadline = time.monotonic() + 90
-        while not backend.ready:
-            assert time.monotonic() < deadline, "the engine process did not come up"
-            time.sleep(0.05)
+    with serving_fleet([
+            "--model", default_model, "--executor", "emulated", "--num-kv-blocks", "64", "--tiers", "std:2000:20000",
+            "--min-instances", "1", "--max-instances", "1", "--idle-pool", "0"]) as (server, backend):
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
         r = client.chat.completions.create(model=backend.model_name, messages=ASK, max_tokens=40, temperature=0,
                                            response_format={"type": "json_schema", "json_schema": {
