@@ -214,11 +214,13 @@ def _prompt(i: int) -> list[int]:
     return [3 + (i * 31 + j * 7) % 900 for j in range(16)]
 
 
-async def _direct(host: str, port: int, tier: Tier, n: int, concurrency: int,
+async def _direct(host: str, port: int, token: str, tier: Tier, n: int, concurrency: int,
                   max_tokens: int) -> tuple[float, list[float]]:
     """A bare protocol client: keeps `concurrency` requests in flight on one connection."""
     reader, writer = await asyncio.open_connection(host, port)
-    assert isinstance(await p.read_message(reader), p.Hello)
+    hello = await p.read_message(reader)
+    assert isinstance(hello, p.Hello)
+    writer.write(p.encode_frame(p.Auth(p.auth_proof(token, hello.challenge))))
     lags: list[float] = []
     sent = done = 0
 
@@ -279,9 +281,10 @@ async def bench_throughput(requests: int, concurrency: int, max_tokens: int, tim
         tiers = parse_tiers(DEFAULT_TIERS)
         loosest = tiers[len(tiers) - 1]
         try:
-            await _direct(host, port, loosest, concurrency, concurrency, 4)  # warm-up
-            direct_rps, direct_lags = await _direct(host, port, loosest, requests, concurrency, max_tokens)
-            service = RouterService(Router(tiers, emulated_latency_model(time_scale)))
+            await _direct(host, port, launcher.token, loosest, concurrency, concurrency, 4)  # warm-up
+            direct_rps, direct_lags = await _direct(host, port, launcher.token, loosest, requests, concurrency,
+                                                    max_tokens)
+            service = RouterService(Router(tiers, emulated_latency_model(time_scale)), token=launcher.token)
             await service.start()
             await service.attach(host, port)
             await _routed(service, loosest, concurrency, concurrency, 4)  # warm-up

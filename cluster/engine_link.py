@@ -1,5 +1,5 @@
-"""The router's end of one worker connection: handshake, a read loop that hands every frame to the service, and
-the worker's clock mapped onto the router's."""
+"""The router's end of one worker connection: handshake (the worker's Hello, the router's Auth), a read loop that
+hands every frame to the service, and the worker's clock mapped onto the router's."""
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +25,10 @@ class EngineLink:
         self.close_reason = ""
 
     @classmethod
-    async def connect(cls, host: str, port: int, clock: Callable[[], float], timeout_s: float = 10.0) -> "EngineLink":
-        """Connects and reads the worker's Hello; ProtocolError if it speaks another version or something else."""
+    async def connect(cls, host: str, port: int, clock: Callable[[], float], timeout_s: float = 10.0, *,
+                      token: str) -> "EngineLink":
+        """Connects, reads the worker's Hello and answers its challenge with proof of `token` (the fleet's shared
+        secret); ProtocolError if it speaks another version or something else."""
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
         try:
             hello = await asyncio.wait_for(p.read_message(reader), timeout_s)
@@ -34,6 +36,7 @@ class EngineLink:
                 raise p.ProtocolError(f"expected Hello first, got {type(hello).__name__ if hello else 'end of stream'}")
             if hello.version != p.PROTOCOL_VERSION:
                 raise p.ProtocolError(f"worker speaks protocol {hello.version}, router {p.PROTOCOL_VERSION}")
+            writer.write(p.encode_frame(p.Auth(p.auth_proof(token, hello.challenge))))
         except BaseException:
             writer.close()
             raise

@@ -41,6 +41,11 @@ class RoutedRequest:
     late: bool = False  # its first token can no longer be on time: judged from now on as if it arrived now
     standing: int = ON_TIME  # on time so far, or how it first went late (`scheduler.headroom`)
     placed_before: bool = False  # it ran on an instance that was lost: queued again, it is owed an answer
+    # output it streamed on a lost instance, now the end of its prompt (`protocol.Submit.resumed_tokens`): its
+    # client waits for its next token already
+    resumed_tokens: int = 0
+    # the other parallel samples of its request, placed with it on one instance (then each a resident of its own)
+    companions: tuple["RoutedRequest", ...] = ()
     first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
     tpot_s: float = field(init=False)
 

@@ -1,22 +1,30 @@
-"""Starts and stops engine processes on this machine: `python -m cluster.worker` subprocesses, one per GPU (its own
-CUDA_VISIBLE_DEVICES) or, for emulated engines, as many as asked on a CPU box. The service drains an instance
-before it asks for the stop; cold start (spawn to READY) is measured here, spawn to Hello by the service.
+"""Starts and stops engine workers: the `Launcher` interface the router service uses, and `LocalLauncher`, which runs
+them on this machine as `python -m cluster.worker` subprocesses, one per GPU (its own CUDA_VISIBLE_DEVICES) or, for
+emulated engines, as many as asked on a CPU box. `cluster.ray_launcher.RayLauncher` runs them as Ray actors across
+machines. The service drains an instance before it asks for the stop; cold start (spawn to READY) is measured here,
+spawn to Hello by the service.
 
 Warm spares: workers started ahead of need, their engines built (model loaded, or emulated) and listening, that no
 router has attached yet. A replacement or a new instance is then a connection away instead of a cold start (process,
-imports, weights). They occupy devices like any worker: with GPUs, spares and workers together stay within them."""
+imports, weights). They occupy devices like any worker: with GPUs, spares and workers together stay within them.
+
+Every worker of a fleet holds the fleet's shared secret (`token`: given, else random per launcher), which the router
+proves on connecting (cluster/protocol.py)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Sequence
+from typing import Awaitable, Callable, Iterable, Sequence
 
+from cluster.protocol import TOKEN_ENV
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -25,47 +33,70 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class LaunchError(RuntimeError):
-    """A worker process did not come up."""
+    """A worker did not come up."""
 
 
-@dataclass(slots=True, eq=False)
-class _Process:
-    proc: asyncio.subprocess.Process
-    gpu: str | None
-    spawned: float
+class PlacementError(LaunchError):
+    """No machine has room for another worker now (every GPU holds one): asking again at once would find none."""
 
 
-class LocalLauncher:
-    def __init__(self, config: EngineConfig, *, gpus: Sequence[str] = (), heartbeat_s: float | None = None,
-                 host: str = "127.0.0.1", python: str = sys.executable, ready_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None, warm_spares: int = 0):
-        """Every worker's engine is built from `config` (forwarded as its flags). `gpus`: device ids, one worker
-        each; empty: no GPU assignment (CPU or emulated). `heartbeat_s`: the workers' (None: their default).
-        `warm_spares`: how many started, unattached workers to keep (`num_spares_short`, `take_spare`)."""
+class Launcher(ABC):
+    """Where engine workers run. `start` brings one up and returns the address it listens on; the service connects
+    to it there. Warm spares are kept here; `on_exit`, set by the service, hears of a worker that this launcher
+    finds gone (its connection may not know yet)."""
+
+    def __init__(self, *, token: str | None, warm_spares: int):
         if warm_spares < 0:
             raise ValueError(f"warm_spares must be non-negative, got {warm_spares}")
+        self.token = token or secrets.token_hex(32)
         self.warm_spares = warm_spares
         self.spares: dict[str, tuple[str, int] | None] = {}  # instance id -> its address once ready, oldest first
-        self.worker_args = config.to_args() + ([] if heartbeat_s is None else ["--heartbeat-s", str(heartbeat_s)])
-        self.gpus, self.host, self.python = list(gpus), host, python
-        self.ready_timeout_s = ready_timeout_s
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), self.env.get("PYTHONPATH")]))
-        self.processes: dict[str, _Process] = {}
-        self.cold_starts: list[float] = []  # seconds from spawn to READY, every successful start
-        self.exit_codes: dict[str, int] = {}  # instance id -> exit status of its process, once reaped
+        self.cold_starts: list[float] = []  # seconds from asking for a worker to its READY, every successful start
+        self.on_exit: Callable[[str, str], None] | None = None  # (instance id, why)
 
     @property
     def capacity(self) -> int | None:
-        """How many workers can run at once (one per GPU); None: no bound here."""
-        return len(self.gpus) if self.gpus else None
+        """How many workers can run at once; None: no bound known here."""
+        return None
+
+    @abstractmethod
+    async def start(self, instance_id: str) -> tuple[str, int]:
+        """Brings a worker up; returns (host, port) once it listens. LaunchError (PlacementError: no room) if not."""
+
+    @abstractmethod
+    def holds(self, instance_id: str) -> bool:
+        """Whether a worker of that id is starting, running, or ended and not yet stopped here."""
+
+    @abstractmethod
+    def alive(self, instance_id: str) -> bool:
+        """Whether a worker of that id is starting or running."""
+
+    @abstractmethod
+    def kill(self, instance_id: str) -> None:
+        """Ends a worker that died or hangs, at once; `stop` collects it."""
+
+    @abstractmethod
+    async def stop(self, instance_id: str, timeout_s: float = 30.0) -> int | None:
+        """Waits for a (drained) worker to end, forcing it past the timeout; its exit status where known."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Ends every worker."""
+
+    @abstractmethod
+    def _worker_ids(self) -> Iterable[str]:
+        """Every worker held, spares included."""
+
+    @abstractmethod
+    def _forget(self, instance_id: str) -> None:
+        """Collects an ended spare's remains."""
 
     def num_spares_short(self) -> int:
-        """Spares to start now: those missing (counting the ones starting), within the devices no worker holds."""
+        """Spares to start now: those missing (counting the ones starting), within the capacity no worker holds."""
         self._drop_ended_spares()
         short = self.warm_spares - len(self.spares)
-        if self.gpus:
-            short = min(short, len(self.gpus) - len(self.processes.keys() | self.spares.keys()))
+        if self.capacity is not None:
+            short = min(short, self.capacity - len(set(self._worker_ids()) | self.spares.keys()))
         return max(0, short)
 
     def start_spare(self, instance_id: str) -> Awaitable[None]:
@@ -93,11 +124,54 @@ class LocalLauncher:
 
     def _drop_ended_spares(self) -> None:
         for instance_id, address in list(self.spares.items()):
-            status = self.processes[instance_id].proc.returncode if address is not None else None
-            if status is not None:
-                log.warning("spare %s exited with status %s before it was used", instance_id, status)
+            if address is not None and not self.alive(instance_id):
+                log.warning("spare %s ended before it was used", instance_id)
                 del self.spares[instance_id]
-                asyncio.get_running_loop().create_task(self._reap(instance_id))
+                self._forget(instance_id)
+
+
+@dataclass(slots=True, eq=False)
+class _Process:
+    proc: asyncio.subprocess.Process
+    gpu: str | None
+    spawned: float
+
+
+class LocalLauncher(Launcher):
+    def __init__(self, config: EngineConfig, *, gpus: Sequence[str] = (), heartbeat_s: float | None = None,
+                 host: str = "127.0.0.1", python: str = sys.executable, ready_timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None, warm_spares: int = 0, token: str | None = None):
+        """Every worker's engine is built from `config` (forwarded as its flags) and listens on `host`. `gpus`:
+        device ids, one worker each; empty: no GPU assignment (CPU or emulated). `heartbeat_s`: the workers' (None:
+        their default). `warm_spares`: how many started, unattached workers to keep (`num_spares_short`,
+        `take_spare`). `token`: the fleet's shared secret (None: a random one), passed to the workers in their
+        environment."""
+        super().__init__(token=token, warm_spares=warm_spares)
+        self.worker_args = config.to_args() + ([] if heartbeat_s is None else ["--heartbeat-s", str(heartbeat_s)])
+        self.gpus, self.host, self.python = list(gpus), host, python
+        self.ready_timeout_s = ready_timeout_s
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {}), TOKEN_ENV: self.token}
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), self.env.get("PYTHONPATH")]))
+        self.processes: dict[str, _Process] = {}
+        self.exit_codes: dict[str, int] = {}  # instance id -> exit status of its process, once reaped
+
+    @property
+    def capacity(self) -> int | None:
+        """How many workers can run at once (one per GPU); None: no bound here."""
+        return len(self.gpus) if self.gpus else None
+
+    def holds(self, instance_id: str) -> bool:
+        return instance_id in self.processes
+
+    def alive(self, instance_id: str) -> bool:
+        p = self.processes.get(instance_id)
+        return p is not None and p.proc.returncode is None
+
+    def _worker_ids(self) -> Iterable[str]:
+        return self.processes.keys()
+
+    def _forget(self, instance_id: str) -> None:
+        asyncio.get_running_loop().create_task(self._reap(instance_id))
 
     async def start(self, instance_id: str) -> tuple[str, int]:
         """Spawns a worker and waits until it listens; returns (host, port)."""

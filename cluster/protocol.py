@@ -6,14 +6,21 @@ or over the bound, a payload that is cut short or does not decode to a known mes
 and the side that reads it closes that one connection with the reason logged.
 
 Worker -> router: Hello (first frame), Tokens, Finish, Error, StepReport, Heartbeat, Drained.
-Router -> worker: Submit, Abort, Drain.
+Router -> worker: Auth (first frame), Submit, Abort, Drain.
+Authentication: the Hello carries a fresh random challenge; the router's first frame answers it with an HMAC keyed by
+the fleet's shared secret (`auth_proof`), so the secret never crosses the wire and a recorded answer fits no other
+connection. A worker sends nothing but the Hello to a connection before that answer, closes one whose answer is
+wrong or missing, and serves one authenticated connection at a time: its router's.
 Times a worker sends are on its own monotonic clock; Hello carries that clock's reading so the router can map them.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import os
 import struct
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -21,8 +28,9 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from scheduler.slo import SLO
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of msgpack; 8 MiB leaves room and bounds a bad peer
+THREAD_DECODE_BYTES = 1 << 18  # above this a frame takes milliseconds to decode: off the event loop
 HEADER = struct.Struct("!I")
 
 
@@ -74,6 +82,12 @@ class Hello(_Message, tag=_tag("hello")):
     vocab_size: int
     has_tokenizer: bool
     executor: str
+    challenge: bytes = b""  # random, fresh per connection: the router's Auth answers it
+
+
+class Auth(_Message, tag=_tag("auth")):
+    """The router's first frame: proof that it holds the fleet's secret (`auth_proof` of the Hello's challenge)."""
+    proof: bytes
 
 
 class Submit(_Message, tag=_tag("submit")):
@@ -134,35 +148,66 @@ class Resident(msgspec.Struct, array_like=True):
     num_output_tokens: int
 
 
-class StepReport(_Message, tag=_tag("step")):
-    """One engine step as measured, and who is resident after it."""
+class StepTiming(msgspec.Struct, array_like=True):
+    """One engine step as measured: scheduler.types.StepStats on the wire, field for field."""
     start: float  # worker clock
     duration: float
     num_prefill_tokens: int
     num_decode_seqs: int
     num_kv_tokens: int
     num_blocks_used: int
-    num_total_blocks: int
     num_running: int
     num_waiting: int
     num_seqs: int  # sequences in the batch
+
+
+class StepReport(_Message, tag=_tag("step")):
+    """The engine steps measured since the worker's previous report, oldest first, and the residents whose progress
+    changed since then, as they are after the newest step (cluster/step_reports.py: when a worker sends one)."""
+    steps: Annotated[list[StepTiming], msgspec.Meta(min_length=1)]
+    num_total_blocks: int
     residents: list[Resident]
 
 
 class Heartbeat(_Message, tag=_tag("heartbeat")):
+    """What the engine holds now: sent every heartbeat period, and at once when its load changed with no step to
+    report it (an abort, the last finish), so that an idle engine's figures do not stay those of its last step."""
     clock: float
     num_running: int
     num_waiting: int
+    num_blocks_used: int
+    num_total_blocks: int
 
 
 class Drained(_Message, tag=_tag("drained")):
     """Sent once, after the last resident of a draining worker finished; the worker exits next."""
 
 
-Message = Union[Hello, Submit, Abort, Drain, Tokens, Finish, Error, StepReport, Heartbeat, Drained]
+Message = Union[Hello, Auth, Submit, Abort, Drain, Tokens, Finish, Error, StepReport, Heartbeat, Drained]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+
+
+def auth_proof(token: str, challenge: bytes) -> bytes:
+    """The answer to a worker's challenge: HMAC-SHA256 keyed by the shared secret, over a label (so the same
+    secret keyed elsewhere never yields it) and the challenge."""
+    return hmac.new(token.encode(), b"polyserve-router-auth\0" + challenge, hashlib.sha256).digest()
+
+
+TOKEN_ENV = "POLYSERVE_CLUSTER_TOKEN"
+MIN_TOKEN_CHARS = 16
+
+
+def load_cluster_token(path: str | None = None) -> str | None:
+    """The fleet's shared secret: the file's content (stripped) when a path is given, else $POLYSERVE_CLUSTER_TOKEN,
+    else None. ValueError for one too short to guess-proof."""
+    token = (open(path).read() if path else os.environ.get(TOKEN_ENV, "")).strip()
+    if path and not token:
+        raise ValueError(f"the cluster token file {path} is empty")
+    if token and len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"the cluster token must be at least {MIN_TOKEN_CHARS} characters, got {len(token)}")
+    return token or None
 
 
 def encode_frame(msg: _Message, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
@@ -198,4 +243,6 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_
         payload = await reader.readexactly(size)
     except asyncio.IncompleteReadError as e:
         raise ProtocolError(f"stream ended inside a frame ({len(e.partial)} of {size} bytes)") from None
+    if size > THREAD_DECODE_BYTES:  # a prompt's top logprobs: decoded beside the loop, which keeps its other streams
+        return await asyncio.to_thread(decode_payload, payload)
     return decode_payload(payload)

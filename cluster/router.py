@@ -12,9 +12,11 @@ tells it what happened, it answers what to do:
   instances  add_instance, on_ready (-> placements of queued requests), start_draining, remove_instance,
              on_lost (-> the residents, unplaced, for the caller to readmit or end)
   requests   submit (-> Decision: placed, queued, queue full, no instance), on_report (a step's progress),
-             on_finished, withdraw, retry_queued (-> placements)
+             on_load (KV in use between steps), on_finished, withdraw, retry_queued (-> placements)
   reading    fleet (cluster.fleet.Fleet), queue_length, waiting_tiers, events, counts
-Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all). The test
+Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all). A request
+with companions (the other parallel samples of its request) is placed with them, all on one instance, the test
+counting each; a stream resumed after its instance was lost goes where its next token is predicted soonest. The test
 reads an instance through the resident summary the router keeps current (InstanceView.summary), so a scan costs
 O(log n) per instance of n residents; a step report pays the pass over them.
 """
@@ -203,10 +205,13 @@ class Router:
     def submit(self, req: RoutedRequest, now: float, readmit: bool = False) -> Decision:
         """Place, queue or refuse. `readmit`: an accepted request placed again (its instance was lost): it waits
         at the head of its queue, past the queue's bound."""
-        if not readmit and req.request_id in self.requests:
-            raise ValueError(f"request {req.request_id!r} is already placed or queued")
+        if not readmit:
+            for r in (req, *req.companions):
+                if r.request_id in self.requests:
+                    raise ValueError(f"request {r.request_id!r} is already placed or queued")
         if readmit and not req.late:
-            req.late = not self._on_time_possible(req, now)
+            # a resumed stream's first token from here is not its first: it has no TTFT of its own to keep
+            req.late = req.resumed_tokens > 0 or not self._on_time_possible(req, now)
         placed = self._place(req, now)
         if placed is not None:
             view, how = placed
@@ -252,6 +257,14 @@ class Router:
         view.num_blocks_used = report.num_blocks_used
         self._refresh(view)
         view.iteration_end = report.iteration_end + view.load  # the next step started as the reported one ended
+
+    def on_load(self, instance_id: str, num_blocks_used: int) -> None:
+        """What an instance holds as it said between steps (an abort or a finish that no step followed, or its
+        periodic word while idle): the KV blocks in use, so that an idle instance does not keep its last busy
+        step's figure."""
+        view = self.fleet.instances.get(instance_id)
+        if view is not None and view.status is not InstanceStatus.DEAD:
+            view.num_blocks_used = num_blocks_used
 
     def on_finished(self, request_id: str, num_output_tokens: int, now: float, completed: bool = True) -> None:
         """Left its instance (finished, aborted, failed); a `completed` one's output joins its tier's mean."""
@@ -328,21 +341,22 @@ class Router:
         if self.policy == "least-loaded-admission":
             view = self._least_loaded_attaining(req, snap, early, now)
             return None if view is None else (view, How.BASELINE)
+        if req.resumed_tokens:
+            return self._soonest_next_token(req, snap, early, now)
         before_scale_up, after_scale_up = self._tier_orders[req.tier_index]
         return self._place_in(before_scale_up, req, snap, early, now) or self._scale_up(req, snap, early, now) \
             or self._place_in(after_scale_up, req, snap, early, now)
 
     def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot, early: float,
                   now: float) -> tuple[InstanceView, How] | None:
-        fits, members, queues = self.checker.fits, self.fleet.members, self.queues
+        fits, members, queues = self._fits, self.fleet.members, self.queues
         ready = InstanceStatus.READY
         for tier in tiers:
             if tier != req.tier_index and queues[tier]:
                 continue  # a tier whose own requests wait for room lends none to looser ones
             tpot = self._budget_ms(tier)
             for view in sorted(members[tier], key=_load, reverse=self.gradient):
-                if view.status is ready and fits(view.summary, view.kv_capacity_tokens, view.iteration_end, tpot,
-                                                 snap, now, early):
+                if view.status is ready and fits(view, tpot, req, snap, now, early):
                     return view, How.OWN if tier == req.tier_index else How.PROMOTED
         return None
 
@@ -352,24 +366,81 @@ class Router:
             return None
         tpot, budget = self._tier_tpot_ms[req.tier_index], self._budget_ms(req.tier_index)
         for view in sorted(self.fleet.idle, key=lambda v: len(v.residents)):  # empty ones first
-            if view.tightest_resident_tpot_ms() >= tpot and self.checker.fits(
-                    view.summary, view.kv_capacity_tokens, view.iteration_end, budget, snap, now, early):
+            if view.tightest_resident_tpot_ms() >= tpot and self._fits(view, budget, req, snap, now, early):
                 return view, How.SCALED_UP
         return None
+
+    def _soonest_next_token(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
+                            now: float) -> tuple[InstanceView, How] | None:
+        """A resumed stream: of the instances it may go on (its tier's, the idle pool's, the tighter tiers' under
+        the promotion rule), those that attain it, and of these the one where the test predicts its next token
+        soonest (the first in scan order on a tie).
+
+        Not the busiest, as for a new request: its client has waited since its instance was lost, so the delay is
+        what counts, and the gradient's gain (a last instance that drains and can be released) is small beside
+        it. The streams of a lost instance come back together, and packed onto the busiest that attains them,
+        each judged against a whole TTFT from now, they would re-prefill one behind the other; here each placement
+        is in its instance's state before the next stream is placed, so the next sees its prefill ahead of its own
+        and goes elsewhere when that comes sooner: they spread, and re-prefill side by side."""
+        own = req.tier_index
+        before_scale_up, after_scale_up = self._tier_orders[own]
+        candidates = self._members_of(before_scale_up, own)  # (view, how, budget ms)
+        if self.autoscaler is None or self.autoscaler.can_join(self.fleet, own):
+            tpot, budget = self._tier_tpot_ms[own], self._budget_ms(own)
+            candidates += [(v, How.SCALED_UP, budget) for v in self.fleet.idle if v.tightest_resident_tpot_ms() >= tpot]
+        candidates += self._members_of(after_scale_up, own)
+        best = None
+        for view, how, budget in candidates:
+            if view.status is not InstanceStatus.READY or not self._fits(view, budget, req, snap, now, early):
+                continue
+            state = InstanceState(tuple(view.residents.values()), view.kv_capacity_tokens, view.iteration_end,
+                                  budget)
+            first = self.checker.check(state, snap, now).first_token_time
+            if best is None or first < best[0]:
+                best = (first, view, how)
+        return None if best is None else best[1:]
+
+    def _members_of(self, tiers: tuple[int, ...], own: int) -> list[tuple[InstanceView, How, float]]:
+        """The instances of `tiers` that a request of tier `own` may go on (as `_place_in` scans them), each with
+        how it would go there and the TPOT budget it is held to."""
+        out = []
+        for tier in tiers:
+            if tier == own or not self.queues[tier]:
+                how, budget = How.OWN if tier == own else How.PROMOTED, self._budget_ms(tier)
+                out += [(view, how, budget) for view in self.fleet.members[tier]]
+        return out
 
     def _least_loaded_attaining(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
                                 now: float) -> InstanceView | None:
         """The least-loaded serving instance that can attain `req` (instance order on a tie). Each is held to the
         TPOT of the tightest tier among its residents and `req`, as PolyServe holds an instance to its tier's TPOT
         (a tier's residents being of that tier or looser ones promoted onto it)."""
-        fits, own = self.checker.fits, req.tier_index
+        fits, own = self._fits, req.tier_index
         ready = InstanceStatus.READY
         for view in sorted((v for v in self.fleet.instances.values() if v.status is ready), key=_load):
             tightest = min(view.residents_per_tier, default=own)
             budget = self._budget_ms(tightest if tightest < own else own)
-            if fits(view.summary, view.kv_capacity_tokens, view.iteration_end, budget, snap, now, early):
+            if fits(view, budget, req, snap, now, early):
                 return view
         return None
+
+    def _fits(self, view: InstanceView, budget_ms: float, req: RoutedRequest, snap: RequestSnapshot, now: float,
+              early: float) -> bool:
+        """The attainability test of `req` (as `snap`) on `view` held to `budget_ms`; its companions, if any,
+        counted in as residents (seated for the test, then taken out again), each one more sequence in the batch
+        and its own KV."""
+        if not req.companions:
+            return self.checker.fits(view.summary, view.kv_capacity_tokens, view.iteration_end, budget_ms, snap,
+                                     now, early)
+        for sample in req.companions:
+            self._seat(view, sample)
+        try:
+            return self.checker.fits(view.summary, view.kv_capacity_tokens, view.iteration_end, budget_ms, snap,
+                                     now, early)
+        finally:
+            for sample in req.companions:
+                del view.residents[sample.request_id]
+                view.summary.remove(sample)
 
     def _baseline_choice(self, req: RoutedRequest) -> InstanceView | None:
         """The instance a baseline that places at once picks (None while none serves).
@@ -406,16 +477,31 @@ class Router:
         if how is How.SCALED_UP:
             self.fleet.idle.remove(view)
             self._join(view, req.tier_index, now)
-        req.instance_id = view.instance_id
-        req.placed_before = True
         req.num_computed_tokens = req.num_output_tokens = 0
         view.residents[req.request_id] = req
         view.summary.add(req)
-        view.residents_per_tier[req.tier_index] += 1
-        view.kv_tokens += req.num_prompt_tokens
+        for sample in req.companions:
+            self._seat(view, sample)
+        for sample in (req, *req.companions):
+            sample.instance_id = view.instance_id
+            sample.placed_before = True
+            view.residents_per_tier[sample.tier_index] += 1
+            view.kv_tokens += sample.num_prompt_tokens
+            self.requests[sample.request_id] = sample
+            self._log(now, how.value, sample.request_id, view.instance_id, sample.tier_index)
+        req.companions = ()  # placed, each is a request of its own: lost, each is placed again alone
         self._update_load(view)
-        self.requests[req.request_id] = req
-        self._log(now, how.value, req.request_id, view.instance_id, req.tier_index)
+
+    @staticmethod
+    def _seat(view: InstanceView, companion: RoutedRequest) -> None:
+        """A companion among `view`'s residents, as it will be there: sent once the first sample's prompt is
+        cached, it prefills only what that cache does not share with it, the prompt's last partial block at most
+        (charged its last token here: the router does not know the block size). Its KV counts whole, prompt and
+        output, as every resident's does: the blocks it shares are counted again, which errs on the safe side."""
+        companion.num_computed_tokens = companion.num_prompt_tokens - 1
+        companion.num_output_tokens = 0
+        view.residents[companion.request_id] = companion
+        view.summary.add(companion)
 
     def _join(self, view: InstanceView, tier: int, now: float) -> None:
         view.tier, view.since = tier, now

@@ -3,13 +3,19 @@
     python -m cluster.serve --executor emulated --min-instances 2 --max-instances 8 --idle-pool 1 --warm-spares 1
     python -m cluster.serve --gpus 0,1,2,3 --device cuda --tiers tight:20:250,batch:250:5000
     python -m cluster.serve --host 0.0.0.0 --api-key secret --executor emulated  # clients: Bearer secret
+    python -m cluster.serve --launcher ray --ray-address auto --device cuda --max-instances 64  # on a Ray cluster
 
 Engines are `python -m cluster.worker` processes started by the launcher, each built from the same engine flags
-(`EngineConfig`, forwarded whole): one per GPU with --gpus, else (emulated engines, or CPU model engines) as many as
-the limits allow. The router predicts iteration times with the engines' latency model: --latency-profile, else the
-roofline of Llama-3.1-8B on an H200 (what an emulated engine sleeps), times --time-scale. Baseline router policies
-serve a fixed fleet of --min-instances. The HTTP flags (--host, --api-key, ...) are engine.serve's; the router talks to
-its engines over the cluster protocol, which the API key does not cover: bind workers to a trusted network.
+(`EngineConfig`, forwarded whole). The local launcher starts them on this machine: one per GPU with --gpus, else
+(emulated engines, or CPU model engines) as many as the limits allow. The Ray launcher starts each as a Ray actor
+holding one GPU (a CPU share for emulated and CPU engines) on any machine of the Ray cluster at --ray-address (none:
+a local one is started), which Ray picks. The router proves a shared secret to every worker it connects to: the
+content of --cluster-token-file, else $POLYSERVE_CLUSTER_TOKEN, else a random one made for this fleet. The router
+predicts iteration times with the engines' latency model: --latency-profile, else the roofline of Llama-3.1-8B on an
+H200 (what an emulated engine sleeps), times --time-scale. Baseline router policies serve a fixed fleet of
+--min-instances. The HTTP flags (--host, --api-key, ...) are engine.serve's; the router talks to its engines over the
+cluster protocol, which the API key does not cover and which is not encrypted: bind workers (--worker-host) to a
+trusted network.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ from pathlib import Path
 
 from cluster.autoscaler import Autoscaler, ScalingLimits
 from cluster.backend import RouterBackend
-from cluster.launcher import LocalLauncher
+from cluster.launcher import Launcher, LocalLauncher
+from cluster.protocol import load_cluster_token
 from cluster.router import POLICIES, Router
 from cluster.service import RouterService
 from engine.api_server import serve_forever
@@ -57,7 +64,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-migrations", type=int, default=2,
                     help="times a stream continues on another engine after its engine failed mid-stream; one more "
                          "failure ends it with an error")
-    ap.add_argument("--gpus", default="", help="comma-separated device ids, one engine each (default: none)")
+    ap.add_argument("--gpus", default="", help="local launcher: comma-separated device ids, one engine each "
+                                               "(default: none)")
+    ap.add_argument("--launcher", choices=("local", "ray"), default="local",
+                    help="local: engine processes on this machine; ray: Ray actors on the machines of a Ray cluster")
+    ap.add_argument("--ray-address", default=None,
+                    help="the Ray cluster to join: auto (the one this machine belongs to) or HOST:PORT (default: "
+                         "start a local one)")
+    ap.add_argument("--ray-worker-cpus", type=float, default=None,
+                    help="CPU share each Ray actor asks for (default: 1 with a GPU or a CPU model, 0.25 emulated)")
+    ap.add_argument("--ray-placement-timeout-s", type=float, default=30.0,
+                    help="how long Ray may take to find room for a worker before the router stops asking for a "
+                         "while; with a Ray autoscaler, longer than a machine takes to join")
+    ap.add_argument("--worker-host", default=None,
+                    help="the interface engine workers listen on (default: 127.0.0.1 locally; with Ray, each "
+                         "machine's address as Ray knows it)")
+    ap.add_argument("--cluster-token-file", default=None,
+                    help="file holding the secret the router proves to its workers (default: "
+                         "$POLYSERVE_CLUSTER_TOKEN, else a random one for this fleet)")
     add_engine_args(ap)
     return ap.parse_args(argv)
 
@@ -74,16 +98,35 @@ def build_backend(args: argparse.Namespace) -> RouterBackend:
         max_per_tier=None if baseline else args.max_per_tier, stop_after_idle_s=args.stop_after_idle_s)
     router = Router(config.tier_set, latency_model, policy=args.router_policy, autoscaler=Autoscaler(limits),
                     queue_limit=args.queue_limit, shed_late=not args.serve_late, max_prefill_chunk=config.prefill_chunk)
-    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
-    if gpus and args.max_instances > len(gpus):
-        raise ValueError(f"--max-instances {args.max_instances} exceeds the {len(gpus)} GPUs of --gpus")
-    spares = warm_spares(args.warm_spares, limits.max_instances, len(gpus))
-    service = RouterService(router, launcher=LocalLauncher(config, gpus=gpus, warm_spares=spares),
+    service = RouterService(router, launcher=build_launcher(args, config, limits.max_instances),
                             heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations)
     model = config.model or default_model_path()
     model_config = ModelConfig.from_folder(model)
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
     return RouterBackend(service, name, model_config.context_length(config.max_model_len), Tokenizer.of_folder(model))
+
+
+def build_launcher(args: argparse.Namespace, config: EngineConfig, max_instances: int) -> Launcher:
+    token = load_cluster_token(args.cluster_token_file)
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if args.launcher == "ray":
+        if gpus:
+            raise ValueError("--gpus is for the local launcher: Ray gives each worker a GPU of its own")
+        import ray
+
+        from cluster.ray_launcher import RayLauncher
+
+        if not ray.is_initialized():
+            ray.init(address=args.ray_address)
+        return RayLauncher(config, token=token, host=args.worker_host, num_cpus=args.ray_worker_cpus,
+                           placement_timeout_s=args.ray_placement_timeout_s,
+                           warm_spares=warm_spares(args.warm_spares, max_instances, 0))
+    if args.ray_address is not None or args.ray_worker_cpus is not None:
+        raise ValueError("--ray-address and --ray-worker-cpus need --launcher ray")
+    if gpus and max_instances > len(gpus):
+        raise ValueError(f"--max-instances {max_instances} exceeds the {len(gpus)} GPUs of --gpus")
+    return LocalLauncher(config, gpus=gpus, host=args.worker_host or "127.0.0.1", token=token,
+                         warm_spares=warm_spares(args.warm_spares, max_instances, len(gpus)))
 
 
 def warm_spares(asked: int | None, max_instances: int, num_gpus: int) -> int:
@@ -103,9 +146,9 @@ def main(argv=None) -> None:
     backend = build_backend(args)
     app = build_http_app(backend, args)
     logging.getLogger(__name__).info("router policy %s, tiers %s, instances %d..%d, idle pool %d, warm spares %d, "
-                                     "executor %s", args.router_policy, args.tiers, args.min_instances,
+                                     "executor %s, %s launcher", args.router_policy, args.tiers, args.min_instances,
                                      args.max_instances, args.idle_pool, backend.service.launcher.warm_spares,
-                                     args.executor)
+                                     args.executor, args.launcher)
     asyncio.run(serve_forever(app, args.host, args.port))
 
 

@@ -3,15 +3,22 @@ around the pure `Router` and `Autoscaler` (DESIGN.md §5). This file owns every 
 
 - A request is submitted to the router; placed, it is sent to its instance, queued, it waits (a finish anywhere, a
   new instance or the periodic tick retries the queues). Its tokens come back as RequestOutputs.
+- The parallel samples of one request (n > 1: the HTTP layer asks for `<id>-0`, `<id>-1`, ... all at once, then
+  reads the first sample's first output before it reads the others') are admitted together when the first is:
+  placed on one instance, the test counting each of them, so that the others share the first's prompt blocks in
+  its prefix cache. Each is sent to it when its own first output is asked for.
 - Every frame from an engine counts as a sign of life; an engine silent for `heartbeat_timeout_s` is closed and
   treated as dead, as is one whose connection breaks or sends a malformed frame. A dead engine's requests are
   placed again. Those that produced no token start over; those that did migrate: the next instance prefills their
   prompt and the tokens already streamed, and continues the same output (same text, stop strings across the seam,
   a seeded generator past its draws: `Engine.add_request`'s resumed_tokens) for what remains of max_tokens. The
   client sees a pause. A stream whose instance fails again after `max_migrations` migrations ends with an
-  explicit error output. The dead engine's process is killed, and the autoscaler's next plan replaces it.
+  explicit error output. The dead engine's process is killed, and the autoscaler's next plan replaces it. A
+  worker the launcher finds gone first (a Ray actor or its machine dead) has its connection closed: the same path.
 - Processes to start come first from the launcher's warm spares (engines already built, not yet attached: joining
-  takes a connection), then from a cold launch; the spares are started again as they are used, ahead of need.
+  takes a connection), then from a cold launch; the spares are started again as they are used, ahead of need. A
+  launch that finds no room (no free GPU on any machine) is logged once and not retried for `placement_retry_s`,
+  or until an instance leaves; a launch that fails otherwise is retried after a growing backoff.
 - Each tick: heartbeat check, queue retry, the autoscaler's plan (start processes, drain and stop idle ones),
   spares topped up.
 """
@@ -19,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable
@@ -29,7 +38,7 @@ import msgspec
 from cluster import protocol as p
 from cluster.engine_link import EngineLink
 from cluster.fleet import InstanceStatus, InstanceView, RoutedRequest
-from cluster.launcher import LocalLauncher
+from cluster.launcher import Launcher, PlacementError
 from cluster.router import Decision, InstanceReport, Outcome, Placement, Router
 from engine.engine import InvalidRequestError, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -40,7 +49,7 @@ from scheduler.types import StepStats
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class _Stream:
     """One request's state at the router: what to send an instance, and what came back so far."""
     routed: RoutedRequest
@@ -56,10 +65,12 @@ class _Stream:
     prompt_logprobs: list[float | None] | None = None  # from the first instance that sent them
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     text: str = ""
+    opened: bool = False  # its first output was asked for: it may be sent to an instance
     sent: bool = False  # sent to an instance at least once (its queue time is recorded)
     done: bool = False  # the last output (or an exception) is queued
     migrations: int = 0  # times it continued on another instance after its own failed mid-stream
     lost_at: float | None = None  # when its instance was found dead, until its first token after that
+    companions: list["_Stream"] = field(default_factory=list)  # samples admitted with it, until it is placed
 
     @property
     def started(self) -> bool:
@@ -83,12 +94,51 @@ class _Stream:
             self.outputs.put_nowait(item)
 
 
+class _Outputs:
+    """Backend.generate's iterator over one request's outputs. A class rather than the async generator itself, so
+    that closing one never read still reaches the service: a sample admitted with its request's first holds a
+    place on an instance before its own first output is asked for."""
+    __slots__ = ("_service", "_stream", "_outputs")
+
+    def __init__(self, service: "RouterService", stream: _Stream):
+        self._service, self._stream = service, stream
+        self._outputs = service._outputs(stream)
+
+    def __aiter__(self) -> "_Outputs":
+        return self
+
+    def __anext__(self) -> Awaitable[RequestOutput]:
+        return self._outputs.__anext__()
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()
+        self._service._leave(self._stream)
+
+
+def _sample_index(request_id: str) -> tuple[str, int] | None:
+    """(`<id>`, i) of a request id `<id>-i`, as the HTTP layer names the parallel samples of one request."""
+    base, dash, index = request_id.rpartition("-")
+    return (base, int(index)) if dash and index.isascii() and index.isdigit() else None
+
+
 class RouterService:
-    def __init__(self, router: Router, *, launcher: LocalLauncher | None = None, heartbeat_timeout_s: float = 3.0,
+    def __init__(self, router: Router, *, launcher: Launcher | None = None, heartbeat_timeout_s: float = 3.0,
                  tick_s: float = 0.05, drain_timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
-                 max_migrations: int = 2, clock=time.monotonic):
+                 max_migrations: int = 2, token: str | None = None, placement_retry_s: float = 60.0,
+                 clock=time.monotonic):
         """`max_migrations`: how many times one stream may continue elsewhere after its instance failed; a failure
-        beyond that ends it with an error output."""
+        beyond that ends it with an error output. `token`: the shared secret proved to every worker (None: the
+        launcher's; with neither, a random one that only fits workers given it). `placement_retry_s`: after the
+        launcher found no room for a worker (PlacementError), how long before it is asked again, unless an
+        instance leaves first."""
+        if launcher is not None and token is not None and token != launcher.token:
+            raise ValueError("the service's cluster token differs from its launcher's")
+        if not placement_retry_s > 0:
+            raise ValueError(f"placement_retry_s must be positive, got {placement_retry_s}")
+        self.token = launcher.token if launcher is not None else token or secrets.token_hex(32)
+        self.placement_retry_s = placement_retry_s
+        if launcher is not None:
+            launcher.on_exit = self._worker_gone
         if not (heartbeat_timeout_s > 0 and tick_s > 0):
             raise ValueError("heartbeat_timeout_s and tick_s must be positive")
         if max_migrations < 0:
@@ -98,13 +148,16 @@ class RouterService:
         self.heartbeat_timeout_s, self.tick_s = heartbeat_timeout_s, tick_s
         self.drain_timeout_s, self.connect_timeout_s = drain_timeout_s, connect_timeout_s
         self.links: dict[str, EngineLink] = {}
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, _Stream] = {}  # admitted, until their client leaves
+        # samples `<id>-i` (i > 0) asked for and not admitted: the first sample's admission takes them along; a
+        # client that drops one unread drops it here too
+        self._samples: weakref.WeakValueDictionary[str, _Stream] = weakref.WeakValueDictionary()
         self.metrics = None  # engine.metrics.ServerMetrics, bound by the HTTP app
         self.cold_starts: list[float] = []  # seconds from spawn to the worker's Hello, every cold launch
         self.warm_starts: list[float] = []  # seconds from taking a warm spare to its Hello, every one taken
         # seconds from finding a stream's instance dead to its next token, the latest migrations
         self.migration_delays: deque[float] = deque(maxlen=4096)
-        self.counts: Counter[str] = Counter()  # "migrated", "migrations_exhausted"
+        self.counts: Counter[str] = Counter()  # "migrated", "migrations_exhausted", "unplaceable"
         self._link_tasks: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._tick_task: asyncio.Task | None = None
@@ -112,6 +165,7 @@ class RouterService:
         self._next_instance = 0
         self._launch_failures = 0
         self._launch_blocked_until = 0.0
+        self._unplaceable = False  # the last launch found no room: launches wait for placement_retry_s or a leaver
         self._stopping = False
 
     @property
@@ -146,7 +200,7 @@ class RouterService:
 
     async def attach(self, host: str, port: int) -> str:
         """Adds a worker that already runs (a fixed fleet); returns its instance id."""
-        link = await EngineLink.connect(host, port, self.clock, self.connect_timeout_s)
+        link = await EngineLink.connect(host, port, self.clock, self.connect_timeout_s, token=self.token)
         self.router.add_instance(link.instance_id, self.clock())
         self._ready(link)
         return link.instance_id
@@ -165,26 +219,22 @@ class RouterService:
         return task
 
     # ---- requests --------------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tier: str,
-                       slo: SLO, arrival: float) -> AsyncIterator[RequestOutput]:
-        """Backend.generate (engine/api_server.py): admission on the first __anext__, then the outputs."""
-        if request_id in self.streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tier: str, slo: SLO,
+                 arrival: float) -> AsyncIterator[RequestOutput]:
+        """Backend.generate (engine/api_server.py): admission on the first __anext__, then the outputs. A sample
+        `<id>-i` (i > 0) asked for before `<id>-0` is admitted is admitted with it (the module's docstring)."""
         routed = RoutedRequest(request_id, self.router.tiers.index(tier), tier, slo, arrival, len(prompt_token_ids),
                                params.max_tokens)
         submit = p.Submit(request_id, list(prompt_token_ids), p.SamplingSpec.of(params), tier, slo, 0.0)
         stream = _Stream(routed, submit, params.logprobs, submit.prompt_token_ids, params.max_tokens)
-        self.streams[request_id] = stream
+        sample = _sample_index(request_id)
+        if sample is not None and sample[1] > 0:
+            self._samples[request_id] = stream
+        return _Outputs(self, stream)
+
+    async def _outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         try:
-            now = self.clock()
-            decision = self.router.submit(routed, now)
-            if decision.outcome is Outcome.QUEUE_FULL:
-                raise QueueFullError(f"tier {tier} has {self.router.queue_length(routed.tier_index)} requests "
-                                     f"waiting, its bound", decision.retry_after_s)
-            if decision.outcome is Outcome.NO_INSTANCE:
-                raise NoInstanceError("no engine instance is serving or starting, and none can be started")
-            if decision.outcome is Outcome.PLACED:
-                self._send(stream, decision.instance_id, now)
+            self._open(stream)
             while True:
                 item = await stream.outputs.get()
                 if isinstance(item, BaseException):
@@ -193,11 +243,68 @@ class RouterService:
                 if item.finished:
                     break
         finally:
-            self.streams.pop(request_id, None)
+            self._leave(stream)
+
+    def _open(self, stream: _Stream) -> None:
+        """Its first output is asked for: admission (with the samples that come with it), or, admitted already
+        with its request's first sample, its send where it was placed."""
+        stream.opened = True
+        routed = stream.routed
+        request_id = routed.request_id
+        now = self.clock()
+        if self.streams.get(request_id) is stream:
+            if routed.instance_id is not None:
+                self._send(stream, routed.instance_id, now)
+            return
+        if self._samples.get(request_id) is stream:
+            del self._samples[request_id]
+        if request_id in self.streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        companions = self._companions_of(stream)
+        routed.companions = tuple(c.routed for c in companions)
+        self.streams[request_id] = stream
+        decision = self.router.submit(routed, now)
+        if decision.outcome is Outcome.QUEUE_FULL:
+            raise QueueFullError(f"tier {routed.tier} has {self.router.queue_length(routed.tier_index)} requests "
+                                 f"waiting, its bound", decision.retry_after_s)
+        if decision.outcome is Outcome.NO_INSTANCE:
+            raise NoInstanceError("no engine instance is serving or starting, and none can be started")
+        for c in companions:
+            del self._samples[c.routed.request_id]
+            self.streams[c.routed.request_id] = c
+        stream.companions = companions
+        if decision.outcome is Outcome.PLACED:
+            self._send_placed(stream, decision.instance_id, now)
+
+    def _companions_of(self, stream: _Stream) -> list[_Stream]:
+        """The samples `<id>-1`, `<id>-2`, ... of a stream `<id>-0`, asked for with it and not admitted."""
+        sample = _sample_index(stream.routed.request_id)
+        if sample is None or sample[1] != 0:
+            return []
+        out = []
+        first = stream.routed
+        while True:
+            request_id = f"{sample[0]}-{len(out) + 1}"
+            c = self._samples.get(request_id)
+            if c is None or request_id in self.streams or c.prompt_token_ids != stream.prompt_token_ids \
+                    or (c.routed.arrival, c.routed.tier, c.routed.slo) != (first.arrival, first.tier, first.slo):
+                return out
+            out.append(c)
+
+    def _leave(self, stream: _Stream) -> None:
+        """Its client is done with it, read to the end or not (then it is aborted, or taken out of the queue)."""
+        request_id = stream.routed.request_id
+        if self._samples.get(request_id) is stream:
+            del self._samples[request_id]
+        if self.streams.get(request_id) is stream:
+            del self.streams[request_id]
             if not stream.done:
                 self._abandon(stream)
 
     def _send(self, stream: _Stream, instance_id: str, now: float) -> None:
+        """Sends it to where it was placed; one not asked for yet waits for that (`_open` sends it)."""
+        if not stream.opened:
+            return
         submit = stream.submit
         submit.queued_s = now - stream.routed.arrival
         self.links[instance_id].send(submit)
@@ -211,13 +318,25 @@ class RouterService:
         for placement in placements:
             stream = self.streams.get(placement.request.request_id)
             if stream is not None:
-                self._send(stream, placement.instance_id, now)
+                self._send_placed(stream, placement.instance_id, now)
         for routed in self.router.take_shed():
             stream = self.streams.get(routed.request_id)
             if stream is not None:
                 message = (f"tier {routed.tier}: waited {1000 * (now - routed.arrival):.0f} ms for room, and its "
                            f"first token can no longer come within its {routed.slo.ttft_ms:g} ms")
-                stream.end(QueueFullError(message, self.router.retry_after(routed.tier_index)))
+                for s in (stream, *stream.companions):
+                    s.end(QueueFullError(message, self.router.retry_after(routed.tier_index)))
+
+    def _send_placed(self, stream: _Stream, instance_id: str, now: float) -> None:
+        """A request the router placed, with the samples admitted with it (placed there too): those whose client
+        left while they waited leave the router now."""
+        self._send(stream, instance_id, now)
+        for c in stream.companions:
+            if self.streams.get(c.routed.request_id) is c:
+                self._send(c, instance_id, now)
+            else:
+                self.router.on_finished(c.routed.request_id, 0, now, completed=False)
+        stream.companions = []
 
     def _decided(self, stream: _Stream, decision: Decision, now: float) -> None:
         """A re-placed request: sent, queued, or (nowhere to go) answered."""
@@ -234,7 +353,7 @@ class RouterService:
             self.router.withdraw(req.request_id)
             return
         link = self.links.get(req.instance_id)
-        if link is not None:
+        if link is not None and stream.sent:
             link.send(p.Abort(req.request_id))
         now = self.clock()
         self.router.on_finished(req.request_id, len(stream.token_ids), now, completed=False)
@@ -279,14 +398,22 @@ class RouterService:
                 s.text += d.text
                 s.outputs.put_nowait(s.output(d.token_ids, d.text))
         elif isinstance(msg, p.StepReport):
-            step = StepStats(msg.start, msg.duration, msg.num_prefill_tokens, msg.num_decode_seqs, msg.num_kv_tokens,
-                             msg.num_blocks_used, msg.num_running, msg.num_waiting, msg.num_seqs)
-            self.router.on_report(instance_id, InstanceReport(link.to_router_clock(msg.start + msg.duration),
-                                                              msg.num_blocks_used, msg.residents, (step,)), now)
+            steps = [StepStats(t.start, t.duration, t.num_prefill_tokens, t.num_decode_seqs, t.num_kv_tokens,
+                               t.num_blocks_used, t.num_running, t.num_waiting, t.num_seqs) for t in msg.steps]
+            last = steps[-1]
+            self.router.on_report(instance_id, InstanceReport(link.to_router_clock(last.start + last.duration),
+                                                              last.num_blocks_used, msg.residents, steps), now)
             if self.metrics is not None:
-                self.metrics.observe_step(instance_id, msg.duration, msg.num_blocks_used / max(1, msg.num_total_blocks),
+                total = max(1, msg.num_total_blocks)
+                for t in steps:
+                    self.metrics.observe_step(instance_id, t.duration, t.num_blocks_used / total, t.num_running,
+                                              t.num_waiting)
+                    self.metrics.observe_batch(instance_id, t.num_seqs)
+        elif isinstance(msg, p.Heartbeat):
+            self.router.on_load(instance_id, msg.num_blocks_used)
+            if self.metrics is not None:
+                self.metrics.observe_load(instance_id, msg.num_blocks_used / max(1, msg.num_total_blocks),
                                           msg.num_running, msg.num_waiting)
-                self.metrics.observe_batch(instance_id, msg.num_seqs)
         elif isinstance(msg, p.Finish):
             s = streams.get(msg.request_id)
             if s is None or s.routed.instance_id != instance_id:
@@ -321,9 +448,10 @@ class RouterService:
         now = self.clock()
         log.warning("instance %s is dead: %s", instance_id, reason)
         lost = self.router.on_lost(instance_id, now)
-        if self.launcher is not None and self.launcher.pid(instance_id) is not None:
+        if self.launcher is not None and self.launcher.holds(instance_id):
             self.launcher.kill(instance_id)
             self._spawn(self.launcher.stop(instance_id, 5.0))
+        self._room_freed()
         for req in lost:
             s = self.streams.get(req.request_id)
             if s is None or s.done:
@@ -360,7 +488,7 @@ class RouterService:
         s.submit = msgspec.structs.replace(s.submit, prompt_token_ids=prompt, resumed_tokens=done,
                                            sampling=msgspec.structs.replace(s.submit.sampling, max_tokens=remaining))
         req = s.routed
-        req.num_prompt_tokens, req.max_tokens = len(prompt), remaining
+        req.num_prompt_tokens, req.max_tokens, req.resumed_tokens = len(prompt), remaining, done
         self._decided(s, self.router.submit(req, now, readmit=True), now)
 
     # ---- the periodic tick -----------------------------------------------------------------------------------
@@ -422,19 +550,45 @@ class RouterService:
         except Exception as e:
             self._launch_failed(instance_id, e)
         else:
-            self._launch_failures = 0
+            self._launched()
 
     def _launch_failed(self, instance_id: str, error: Exception) -> None:
+        if isinstance(error, PlacementError):
+            # no room anywhere: further asks would fail alike until a worker leaves or a machine joins
+            self.counts["unplaceable"] += 1
+            self._launch_blocked_until = self.clock() + self.placement_retry_s
+            if not self._unplaceable:
+                self._unplaceable = True
+                log.warning("no room for worker %s (%s); the fleet stays at %d instances, and the next launch waits "
+                            "%g s or until an instance leaves", instance_id, error, self.router.fleet.num_live(),
+                            self.placement_retry_s)
+            return
         self._launch_failures += 1
         backoff = min(30.0, 0.5 * 2 ** self._launch_failures)
         self._launch_blocked_until = self.clock() + backoff
         log.error("launching %s failed (%s); next launch in %.1f s", instance_id, error, backoff)
 
+    def _launched(self) -> None:
+        self._launch_failures = 0
+        self._unplaceable = False
+
+    def _room_freed(self) -> None:
+        """An instance left: its place may take a worker that found no room."""
+        if self._unplaceable:
+            self._launch_blocked_until = 0.0
+
+    def _worker_gone(self, instance_id: str, reason: str) -> None:
+        """The launcher found a worker gone, perhaps before its connection shows it: that connection is closed,
+        and the instance handled as dead."""
+        link = self.links.get(instance_id)
+        if link is not None:
+            link.close(reason)
+
     async def _launch(self, instance_id: str, now: float, address: tuple[str, int] | None = None) -> None:
         """Starts (`address` None) or takes over (a warm spare's address) a worker and joins it to the router."""
         try:
             host, port = address or await self.launcher.start(instance_id)
-            link = await EngineLink.connect(host, port, self.clock, self.connect_timeout_s)
+            link = await EngineLink.connect(host, port, self.clock, self.connect_timeout_s, token=self.token)
             if link.instance_id != instance_id:
                 link.close("wrong instance")
                 raise p.ProtocolError(f"worker at {host}:{port} says it is {link.instance_id!r}, not {instance_id!r}")
@@ -442,11 +596,11 @@ class RouterService:
             self._launch_failed(instance_id, e)
             self.router.on_lost(instance_id, self.clock())
             self.router.remove_instance(instance_id, self.clock())
-            if self.launcher.pid(instance_id) is not None:
+            if self.launcher.holds(instance_id):
                 self.launcher.kill(instance_id)
                 await self.launcher.stop(instance_id, 5.0)
             return
-        self._launch_failures = 0
+        self._launched()
         (self.cold_starts if address is None else self.warm_starts).append(self.clock() - now)
         if self._stopping:
             link.send(p.Drain())
@@ -477,6 +631,7 @@ class RouterService:
                     await task
         if self.launcher is not None:
             await self.launcher.stop(instance_id, 10.0)
+            self._room_freed()
         if self.router.fleet.instances.get(instance_id) is view and view.status is InstanceStatus.DRAINING:
             self.router.remove_instance(instance_id, self.clock())
             if self.metrics is not None:

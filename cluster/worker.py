@@ -4,10 +4,15 @@
 
 Its engine flags are `EngineConfig`'s (engine/config.py), as `cluster.serve` forwards them.
 
-Prints `READY <port>` on stdout once it listens; SIGTERM or SIGINT drains it. Every connection (normally one: the router's) gets Hello first,
-then for its own requests Tokens / Finish / Error frames, and for every engine step a StepReport (batch shape,
-iteration time, KV use, all residents); a Heartbeat every `--heartbeat-s`. Drain: new submits are answered with a
-`draining` error, residents finish, every connection gets Drained, and the process exits.
+Prints `READY <port>` on stdout once it listens; SIGTERM or SIGINT drains it. It listens on `--host` only. Every
+connection gets Hello (with a challenge) first; the router's, which answers it with proof of the cluster token
+($POLYSERVE_CLUSTER_TOKEN or `--cluster-token-file`), is then served, and any other closed (cluster/protocol.py). The
+router's connection gets, for its own requests, Tokens / Finish / Error frames, and the timing of every engine step
+(batch shape, iteration time, KV use) with the residents' progress in StepReports, several steps to a report when
+nothing placement depends on changed (`--report-every-steps`, cluster/step_reports.py); a Heartbeat (running,
+waiting, KV use) every `--heartbeat-s`, after the steps held back, and at once when the engine's load changed with
+no step to report it. Drain: new submits are
+answered with a `draining` error, residents finish, every connection gets Drained, and the process exits.
 
 Prompts arrive as token ids (the router tokenizes); the engine detokenizes with the model folder's tokenizer, so
 stop strings cut exactly where they would in one process, and text deltas travel with the tokens.
@@ -17,14 +22,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import hmac
 import os
+import secrets
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 
 from cluster import protocol as p
-from engine.async_engine import AsyncEngine
+from cluster.step_reports import DEFAULT_REPORT_EVERY_STEPS, StepReportCoalescer
+from engine.async_engine import AsyncEngine, EngineLoad
 from engine.config import EngineConfig, add_engine_args
 from engine.engine import Engine, InvalidRequestError, RequestOutput
 from engine.llm import build_engine
@@ -34,6 +42,11 @@ from scheduler.types import StepStats
 log = logging.getLogger(__name__)
 
 MAX_WRITE_BUFFER_BYTES = 64 << 20  # a peer that reads nothing for this long is gone; its connection is closed
+AUTH_TIMEOUT_S = 10.0  # a connection that has not authenticated by then is closed
+
+
+class AuthError(p.ProtocolError):
+    """A connection's first frame did not prove the shared secret, or another router holds this worker."""
 
 
 def resident_report(engine: Engine) -> list[p.Resident]:
@@ -57,16 +70,27 @@ class _Connection:
 
 
 class Worker:
-    def __init__(self, engine: Engine, *, instance_id: str, heartbeat_s: float = 0.5, parent_pid: int | None = None,
+    def __init__(self, engine: Engine, *, instance_id: str, token: str, heartbeat_s: float = 0.5,
+                 parent_pid: int | None = None, report_every_steps: int = DEFAULT_REPORT_EVERY_STEPS,
                  clock=time.monotonic):
-        """`parent_pid`: exit when that process is gone (a launcher's workers must not outlive it)."""
+        """`token`: the fleet's shared secret, which the router's first frame must prove (protocol.auth_proof).
+        `parent_pid`: exit when that process is gone (a launcher's workers must not outlive it).
+        `report_every_steps`: the most steps whose report is held back while nothing placement depends on changed
+        (StepReportCoalescer; 1: a report every step)."""
         if not heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be positive, got {heartbeat_s}")
+        if not token:
+            raise ValueError("a worker needs the cluster token (the shared secret its router proves)")
+        self._token = token
         self.engine = engine
-        self.async_engine = AsyncEngine(engine, on_step=self._on_step, snapshot=resident_report)
+        self.async_engine = AsyncEngine(engine, on_step=self._on_step, snapshot=resident_report,
+                                        on_load=self._on_load)
+        blocks = engine.blocks  # read before the engine thread starts; then only what the engine tells
+        self.load = EngineLoad(0, 0, blocks.num_total_blocks - blocks.num_free_blocks())
+        self.reports = StepReportCoalescer(report_every_steps, engine.executor.num_kv_blocks)
         self.instance_id, self.heartbeat_s, self.clock = instance_id, heartbeat_s, clock
         self.parent_pid = parent_pid
-        self.connections: set[_Connection] = set()
+        self.connections: set[_Connection] = set()  # authenticated: its router's, at most one
         self.draining = False
         self._drained = False
         self.done = asyncio.Event()
@@ -94,12 +118,26 @@ class Worker:
     # ---- connections ----------------------------------------------------------------------------------------
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = "%s:%s" % writer.get_extra_info("peername")[:2]
-        conn = _Connection(writer, peer)
-        self.connections.add(conn)
         e = self.engine
+        challenge = secrets.token_bytes(32)
         writer.write(p.encode_frame(p.Hello(
             p.PROTOCOL_VERSION, self.instance_id, os.getpid(), self.clock(), e.executor.num_kv_blocks, e.block_size,
-            e.max_model_len, e.executor.vocab_size, e.tokenizer is not None, e.config.executor)))
+            e.max_model_len, e.executor.vocab_size, e.tokenizer is not None, e.config.executor, challenge)))
+        try:
+            await self._authenticate(reader, challenge)
+        except (p.ProtocolError, asyncio.TimeoutError) as err:
+            reason = str(err) or f"no Auth frame within {AUTH_TIMEOUT_S:g} s"
+            log.warning("closing connection from %s before it authenticated: %s", peer, reason)
+            writer.write(p.encode_frame(p.Error("", "auth" if isinstance(err, AuthError) else "protocol", reason)))
+            writer.close()
+            return
+        except ConnectionError as err:
+            log.info("connection from %s lost before it authenticated: %s", peer, err)
+            writer.close()
+            return
+        conn = _Connection(writer, peer)
+        self.connections.add(conn)
+        self.reports.reset()  # its router has heard of no resident yet
         try:
             while True:
                 msg = await p.read_message(reader)
@@ -114,6 +152,17 @@ class Worker:
             log.info("connection from %s lost: %s", peer, err)
         finally:
             self._close(conn)
+
+    async def _authenticate(self, reader: asyncio.StreamReader, challenge: bytes) -> None:
+        """Returns once the peer's first frame proved the secret and no other router holds this worker; raises
+        AuthError, ProtocolError (not an Auth frame) or TimeoutError."""
+        msg = await asyncio.wait_for(p.read_message(reader), AUTH_TIMEOUT_S)
+        if not isinstance(msg, p.Auth):
+            raise p.ProtocolError(f"expected Auth first, got {type(msg).__name__ if msg else 'end of stream'}")
+        if not hmac.compare_digest(msg.proof, p.auth_proof(self._token, challenge)):
+            raise AuthError("its Auth frame does not prove the cluster token")
+        if self.connections:
+            raise AuthError(f"worker {self.instance_id} already serves a router")
 
     def _dispatch(self, conn: _Connection, msg) -> None:
         if isinstance(msg, p.Submit):
@@ -192,6 +241,7 @@ class Worker:
         if self._drained or any(conn.requests for conn in self.connections):
             return
         self._drained = True
+        self._send_held_reports()
         for conn in self.connections:
             conn.add(p.Drained())
         self._flush()
@@ -199,13 +249,29 @@ class Worker:
 
     # ---- reports --------------------------------------------------------------------------------------------
     def _on_step(self, stats: StepStats, residents: list[p.Resident]) -> None:
-        frame = p.encode_frame(p.StepReport(
-            stats.start, stats.duration, stats.num_prefill_tokens, stats.num_decode_seqs, stats.num_kv_tokens,
-            stats.num_blocks_used, self.engine.executor.num_kv_blocks, stats.num_running, stats.num_waiting,
-            stats.num_seqs, residents))
+        self.load = EngineLoad(stats.num_running, stats.num_waiting, stats.num_blocks_used)
+        if self.connections:  # steps before the router came are not its to hear
+            report = self.reports.add(p.StepTiming(
+                stats.start, stats.duration, stats.num_prefill_tokens, stats.num_decode_seqs, stats.num_kv_tokens,
+                stats.num_blocks_used, stats.num_running, stats.num_waiting, stats.num_seqs), residents)
+            if report is not None:
+                self._send_report(report)
+        # the step's outputs reach their request tasks in this loop turn; flushing on the next keeps them together
+        self._schedule_flush()
+
+    def _send_report(self, report: p.StepReport) -> None:
+        frame = p.encode_frame(report)
         for conn in self.connections:
             conn.frames.append(frame)
-        # the step's outputs reach their request tasks in this loop turn; flushing on the next keeps them together
+
+    def _send_held_reports(self) -> None:
+        report = self.reports.flush()
+        if report is not None:
+            self._send_report(report)
+
+    def _on_load(self, load: EngineLoad) -> None:
+        self.load = load
+        self._beat()
         self._schedule_flush()
 
     async def _heartbeats(self) -> None:
@@ -215,10 +281,16 @@ class Worker:
                 log.warning("parent process %d is gone; exiting", self.parent_pid)
                 asyncio.get_running_loop().create_task(self.stop())
                 return
-            beat = p.encode_frame(p.Heartbeat(self.clock(), len(self.engine.running), len(self.engine.waiting)))
-            for conn in self.connections:
-                conn.frames.append(beat)
+            self._beat()
             self._flush()
+
+    def _beat(self) -> None:
+        self._send_held_reports()  # a heartbeat never describes the engine as newer than the steps told before it
+        load = self.load
+        beat = p.encode_frame(p.Heartbeat(self.clock(), load.num_running, load.num_waiting, load.num_blocks_used,
+                                          self.engine.executor.num_kv_blocks))
+        for conn in self.connections:
+            conn.frames.append(beat)
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -250,13 +322,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--instance-id", default=f"worker-{os.getpid()}")
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    ap.add_argument("--report-every-steps", type=int, default=DEFAULT_REPORT_EVERY_STEPS,
+                    help="the most engine steps told in one step report while nothing placement depends on changed "
+                         "(a resident joining, leaving, emitting its first token, preempted: reported at once); "
+                         "1: a report every step")
+    ap.add_argument("--cluster-token-file", default=None,
+                    help=f"file holding the shared secret the router proves (default: ${p.TOKEN_ENV}; one is needed)")
     add_engine_args(ap)
     return ap.parse_args(argv)
 
 
 async def _main(args: argparse.Namespace) -> None:
+    token = p.load_cluster_token(args.cluster_token_file)
+    if token is None:
+        raise SystemExit(f"no cluster token: set ${p.TOKEN_ENV} or pass --cluster-token-file")
     engine = build_engine(EngineConfig.from_args(args), instance_id=args.instance_id)
-    worker = Worker(engine, instance_id=args.instance_id, heartbeat_s=args.heartbeat_s, parent_pid=args.parent_pid)
+    worker = Worker(engine, instance_id=args.instance_id, token=token, heartbeat_s=args.heartbeat_s,
+                    parent_pid=args.parent_pid, report_every_steps=args.report_every_steps)
     port = await worker.start(args.host, args.port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, worker.drain)

@@ -5,7 +5,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (whole or server-sent
 GET /health, GET /metrics. A client that disconnects aborts its request (the handler is cancelled, which closes the
 backend's output iterator). With an API key, every endpoint but /health (and /metrics, if left open) wants
 `Authorization: Bearer <key>`. A request body is decoded, templated and tokenized on a worker thread, never on the
-event loop that streams everyone's tokens.
+event loop that streams everyone's tokens; so is the detokenizing and JSON of an answer whose logprobs or echoed
+prompt cover many tokens.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -111,6 +112,10 @@ PARSERS = web.AppKey("parsers", concurrent.futures.ThreadPoolExecutor)
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 # Tokenizers run outside the GIL, so a few threads let small requests pass a big one being tokenized.
 PARSER_THREADS = 4
+# A chunk or answer that detokenizes more token positions than this (an echoed prompt, logprobs of many tokens at
+# once) is built on a worker thread: its detokenizing and JSON take time in proportion, which the event loop that
+# streams everyone's tokens must not spend. Fewer are built in place, where a thread hop would cost more than they.
+INLINE_POSITIONS = 64
 
 
 def build_app(backend: Backend, *, client_max_size: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
@@ -227,6 +232,25 @@ def _token_text(tokenizer: Tokenizer | None, token: int) -> str:
     return tokenizer.decode([token]) if tokenizer is not None else str(token)
 
 
+def _echo_text(tokenizer: Tokenizer | None, req: CompletionRequest, prompt_ids: list[int]) -> str:
+    prompt = prompt_of(req)
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+
+
+_T = TypeVar("_T")
+
+
+async def _built(pool: concurrent.futures.Executor, positions: int, build: Callable[..., _T], *args) -> _T:
+    """`build(*args)`, which detokenizes `positions` token positions: in place when they are few, else on a worker
+    thread. What a build writes (how much of a choice's logprobs went out) only the next build of that choice reads,
+    and the caller awaits each before the next."""
+    if positions <= INLINE_POSITIONS:
+        return build(*args)
+    return await asyncio.get_running_loop().run_in_executor(pool, build, *args)
+
+
 class _Progress:
     """What one choice has produced so far, as this server received it: tokens, their receive times, the finish;
     and what of it went out already (logprobs, the echoed prompt)."""
@@ -251,6 +275,11 @@ class _Progress:
         """The prompt to send before this choice's first text, once."""
         echo, self.echo = self.echo, None
         return echo
+
+    def positions_to_send(self, out: RequestOutput, echo: _Echo | None) -> int:
+        """Token positions the next `take_logprobs(out, ..., echo)` detokenizes, or whose text `echo` carries."""
+        pending = len(self.token_ids) - self.logprobs_sent if out.logprobs is not None else 0
+        return pending + (len(echo.token_ids) if echo is not None else 0)
 
     def take_logprobs(self, out: RequestOutput, tokenizer: Tokenizer | None, chat: bool,
                       echo: _Echo | None = None) -> dict | None:
@@ -390,6 +419,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         raise bad_request(str(e), "invalid_slo") from None
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    pool = request.app[PARSERS]
     async with _Choices(backend, request_id, prompt_ids, _choice_params(params, req.n), tier, slo,
                         arrival) as choices:
         await choices.start()
@@ -397,9 +427,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         writer = ResponseWriter(request_id, backend.model_name, chat)
         echo = None
         if not chat and req.echo:
-            prompt = prompt_of(req)
-            text = prompt if isinstance(prompt, str) else \
-                backend.tokenizer.decode(prompt_ids) if backend.tokenizer is not None else ""
+            text = await _built(pool, len(prompt_ids), _echo_text, backend.tokenizer, req, prompt_ids)
             first = choices.firsts[0]  # the one sample that computed the prompt's logprobs, when asked
             echo = _Echo(text, prompt_ids, first.prompt_logprobs, first.prompt_top_logprobs)
         progress = [_Progress(echo) for _ in choices.streams]
@@ -407,9 +435,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             # an error before anything was sent: a plain 500
             if req.stream and all(out.finish_reason != "error" for out in choices.firsts):
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
-                return await _stream(request, backend.tokenizer, writer, choices, progress, len(prompt_ids),
+                return await _stream(request, pool, backend.tokenizer, writer, choices, progress, len(prompt_ids),
                                      include_usage)
-            return await _whole(backend.tokenizer, writer, choices, progress, len(prompt_ids))
+            return await _whole(pool, backend.tokenizer, writer, choices, progress, len(prompt_ids))
         finally:  # also when the client went away (the handler is cancelled): those requests end as aborts
             for p in progress:
                 _record(metrics, tier, slo, arrival, p)
@@ -446,8 +474,8 @@ def _prompt_ids(backend: Backend, req: CompletionRequest | ChatCompletionRequest
     return tokenizer.encode(prompt)
 
 
-async def _whole(tokenizer: Tokenizer | None, writer: ResponseWriter, choices: _Choices, progress: list[_Progress],
-                 num_prompt_tokens: int) -> web.Response:
+async def _whole(pool: concurrent.futures.Executor, tokenizer: Tokenizer | None, writer: ResponseWriter,
+                 choices: _Choices, progress: list[_Progress], num_prompt_tokens: int) -> web.Response:
     texts: list[list[str]] = [[] for _ in progress]
     last: list[RequestOutput | None] = [None] * len(progress)
     while (item := await choices.next()) is not None:
@@ -457,17 +485,28 @@ async def _whole(tokenizer: Tokenizer | None, writer: ResponseWriter, choices: _
         progress[i].add(out)
         texts[i].append(out.new_text)
         last[i] = out
-    bodies = []
-    for p, text, out in zip(progress, texts, last):
-        echo = p.take_echo()
-        bodies.append(((echo.text if echo else "") + "".join(text), out.finish_reason,
-                       p.take_logprobs(out, tokenizer, writer.chat, echo)))
-    body = writer.whole(bodies, usage(num_prompt_tokens, sum(len(p.token_ids) for p in progress)))
-    return web.Response(body=body, content_type="application/json")
+    echoes = [p.take_echo() for p in progress]
+
+    def build() -> bytes:
+        bodies = [((echo.text if echo else "") + "".join(text), out.finish_reason,
+                   p.take_logprobs(out, tokenizer, writer.chat, echo))
+                  for p, text, out, echo in zip(progress, texts, last, echoes)]
+        return writer.whole(bodies, usage(num_prompt_tokens, sum(len(p.token_ids) for p in progress)))
+
+    positions = sum(p.positions_to_send(out, echo) for p, out, echo in zip(progress, last, echoes))
+    return web.Response(body=await _built(pool, positions, build), content_type="application/json")
 
 
-async def _stream(request: web.Request, tokenizer: Tokenizer | None, writer: ResponseWriter, choices: _Choices,
-                  progress: list[_Progress], num_prompt_tokens: int, include_usage: bool) -> web.StreamResponse:
+def _chunk(writer: ResponseWriter, progress: _Progress, out: RequestOutput, tokenizer: Tokenizer | None,
+           echo: _Echo | None, first: bool, index: int) -> bytes:
+    """The stream chunk of one choice's output `out`, after `echo`'s prompt when it is the choice's first."""
+    return writer.chunk((echo.text if echo else "") + out.new_text, out.finish_reason if out.finished else None,
+                        progress.take_logprobs(out, tokenizer, writer.chat, echo), first, index)
+
+
+async def _stream(request: web.Request, pool: concurrent.futures.Executor, tokenizer: Tokenizer | None,
+                  writer: ResponseWriter, choices: _Choices, progress: list[_Progress], num_prompt_tokens: int,
+                  include_usage: bool) -> web.StreamResponse:
     """Every choice's chunks as they come, each with its index; the usage chunk once all have finished."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -483,9 +522,8 @@ async def _stream(request: web.Request, tokenizer: Tokenizer | None, writer: Res
                 break
             if out.new_text or out.finished or (first[i] and (writer.chat or p.echo is not None)):
                 echo = p.take_echo()
-                text = (echo.text if echo else "") + out.new_text
-                await response.write(writer.chunk(text, out.finish_reason if out.finished else None,
-                                                  p.take_logprobs(out, tokenizer, writer.chat, echo), first[i], i))
+                await response.write(await _built(pool, p.positions_to_send(out, echo), _chunk, writer, p, out,
+                                                  tokenizer, echo, first[i], i))
                 first[i] = False
         else:
             if include_usage:

@@ -15,6 +15,7 @@ from scheduler.tiers import DEFAULT_TIERS, TierSet, parse_tiers
 EXECUTORS = ("model", "emulated")
 DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("auto", "reference", "torch", "triton", "cuda")
+ROLES = ("both", "prefill", "decode")
 
 
 def _flag(help: str, type=None, choices=None, **kw):
@@ -57,6 +58,9 @@ class EngineConfig:
                                   "noise, stalls; scheduler/prediction_error.py), unknown to every predictor",
                                   choices=tuple(PREDICTION_ERRORS), default="exact")
     step_seed: int = _flag("emulated: seed of the slept step time's noise, stalls and instance bias", default=0)
+    role: str = _flag("both: whole requests; prefill: runs prompts, returns the first token and holds the KV for "
+                      "export to a decode engine; decode: also imports exported KV and continues those requests",
+                      choices=ROLES, default="both")
     tier_set: TierSet = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -72,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.batch_policy not in BATCH_POLICIES:
             raise ValueError(f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, got {self.batch_policy!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.max_prefill_chunk is not None and not 1 <= self.max_prefill_chunk <= self.max_num_batched_tokens:

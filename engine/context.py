@@ -15,6 +15,7 @@ class AttentionContext:
     max_seq_len: int
     max_query_len: int
     num_splits: int | None = None  # KV splits of decode attention; fixed per captured CUDA graph, else chosen
+    num_decodes: int | None = None  # leading sequences with one query token each (attention's decode launch)
 
 
 _context: AttentionContext | None = None

@@ -32,6 +32,10 @@ class DecodeGraphs:
         cfg = model.cfg
         pool = None
         for bs in reversed(self.sizes):  # the largest first: the smaller graphs reuse its memory pool
+            # The split count is the most a sequence may need (at max_model_len); the attention kernel gives each
+            # sequence only the splits its own keys fill and the others exit at once. One graph per batch size
+            # then serves every context, and a batch mixing long and short sequences splits each as it needs,
+            # which graphs per split bucket (more captures, a choice from the longest sequence only) would not.
             set_context(AttentionContext(
                 self.slot_mapping[:bs], self.block_tables[:bs], self.seq_lens[:bs], self.query_start_loc[:bs + 1],
                 max_seq_len=max_model_len, max_query_len=1,

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -15,6 +15,8 @@ import torch
 from engine._C import BlockManager
 from engine.config import EngineConfig
 from engine.executor import Executor, StepBatch
+from engine.kv_transfer import MAX_CHUNK_BYTES, Handoff, KvBegin, KvChunk, KvEnd, KvImportRefused, KvLayout, \
+    KvReceiver, KvTransferError, stream_blocks, write_blocks
 from engine.model_config import ModelConfig
 from engine.request import Request, RequestStatus
 from engine.sampler import PromptSpan, TopLogprobs, skip_samples
@@ -95,6 +97,10 @@ class Engine:
         # consistent picture there (the cluster worker takes its resident report from them)
         self.step_hooks: list[StepHook] = []
         self._seq_ids = itertools.count()
+        self.role = config.role
+        self.kv_layout = KvLayout.of_cache(executor.kv_cache, self.block_size)
+        self.handoffs: dict[str, Request] = {}  # prefilled, holding their blocks until the decode side has them
+        self.imports: dict[str, KvReceiver] = {}  # reserved here, their KV still on the way
         self.grammars = Grammars(tokenizer.hf, executor.vocab_size, sorted(self.eos_token_ids)) \
             if tokenizer is not None else None
 
@@ -112,7 +118,7 @@ class Engine:
         with the prompt, and the request goes on as if it had produced them here: its text continues theirs
         (stop strings across the seam, the same text held back) and a seeded generator is past their draws."""
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.imports:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if tier is None:
             try:
@@ -132,20 +138,7 @@ class Engine:
         if not 0 <= resumed_tokens < len(ids):
             raise InvalidRequestError(f"resumed_tokens must be in [0, {len(ids)}) for a prompt of {len(ids)} tokens, "
                                       f"got {resumed_tokens}")
-        detok = Detokenizer(self.tokenizer, params.stop)
-        for token in ids[len(ids) - resumed_tokens:]:
-            if detok.add(token):
-                raise InvalidRequestError("the resumed output already contains a stop string")
-        detok.take_delta(False)  # the client has that text already
-        generator = None
-        if params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=self.executor.device).manual_seed(params.seed)
-            skip_samples(generator, self.executor.vocab_size, resumed_tokens)
-        grammar = None
-        if params.structured_output is not None:
-            grammar = self._with_grammars(Grammars.matcher, params.structured_output)
-            if not all(grammar.accept_token(t) for t in ids[len(ids) - resumed_tokens:]):
-                raise InvalidRequestError("the resumed output does not follow the request's structured output")
+        detok, generator, grammar = self._continuation(params, ids[len(ids) - resumed_tokens:])
         req = Request(request_id, next(self._seq_ids), ids, params, self.clock() if arrival is None else arrival,
                       slo=slo, tier=tier, generator=generator, grammar=grammar)
         self.blocks.add_sequence(req.seq_id, ids)
@@ -153,6 +146,27 @@ class Engine:
         self.detok[request_id] = detok
         self._enqueue(req)
         return req
+
+    def _continuation(self, params: SamplingParams, produced: list[int]):
+        """(detokenizer, seeded generator, grammar matcher) of a request whose output so far, `produced`, was made
+        elsewhere, as if made here: the text continues it (what it streamed counted as sent), the generator is past
+        its draws and the matcher has accepted it."""
+        detok = Detokenizer(self.tokenizer, params.stop)
+        for token in produced:
+            if detok.add(token):
+                raise InvalidRequestError("the output produced so far already contains a stop string")
+        detok.take_delta(False)  # the client has that text already
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.executor.device).manual_seed(params.seed)
+            skip_samples(generator, self.executor.vocab_size, len(produced))
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self._with_grammars(Grammars.matcher, params.structured_output)
+            if not all(grammar.accept_token(t) for t in produced):
+                raise InvalidRequestError("the output produced so far does not follow the request's structured "
+                                          "output")
+        return detok, generator, grammar
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compiles the grammar of `params`' structured output unless it is compiled already. Thread-safe, and it
@@ -194,6 +208,8 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None:
+            if request_id in self.imports:
+                self.cancel_import(self.imports[request_id])
             return None
         if req in self.running:
             self.running.remove(req)
@@ -203,6 +219,135 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- prefill/decode hand-off (engine/kv_transfer.py) ----------------------------------------------------
+    def handoff(self, request_id: str) -> Handoff:
+        """The state of a request this prefill engine holds for a hand-off (its output ended "prefilled")."""
+        req = self._held(request_id)
+        p = req.params
+        return Handoff(
+            req.request_id, req.prompt_token_ids, req.output_token_ids[0], p, req.slo, req.tier, req.arrival,
+            req.token_times[0], req.first_scheduled_time, req.num_cached_tokens, req.standing, self.kv_layout,
+            len(self.blocks.block_table(req.seq_id)),
+            first_logprob=req.output_logprobs[0] if req.output_logprobs else None,
+            first_top_logprobs=req.output_top_logprobs[0] if req.output_top_logprobs else None,
+            prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if p.prompt_logprobs else None)
+
+    def export_kv(self, request_id: str, first_block: int = 0,
+                  max_chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[KvBegin | KvChunk | KvEnd]:
+        """The frames of a held request's prompt blocks from `first_block` on (what the decode side's receiver
+        asks), read as they are consumed: the blocks stay held until `release_handoff`."""
+        req = self._held(request_id)
+        return stream_blocks(request_id, self.executor.kv_cache, self.kv_layout,
+                             list(self.blocks.block_table(req.seq_id)), first_block, max_chunk_bytes)
+
+    def release_handoff(self, request_id: str) -> None:
+        """Lets go of a held request once the decode side has its KV, or once no decode side will take it: its
+        blocks are freed, the full ones staying in the prefix cache as any finished request's do."""
+        self._finish(self._held(request_id), "prefilled")
+
+    def _held(self, request_id: str) -> Request:
+        req = self.handoffs.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not held here for a hand-off")
+        return req
+
+    def _hold_for_handoff(self, req: Request, token: int) -> RequestOutput:
+        """A prefill engine's request with its first token: it leaves the batch with its blocks and ends here as
+        "prefilled". Text held back for a stop string stays held: the decode side streams it."""
+        self.running.remove(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, "prefilled"
+        self.handoffs[req.request_id] = req
+        return self._output(req, [token], self.detok[req.request_id].take_delta(False))
+
+    def can_import(self, handoff: Handoff) -> bool:
+        """Whether this engine could reserve the request's blocks now (`reserve_import`), before any transfer."""
+        needed = -(-(len(handoff.prompt_token_ids) + 1) // self.block_size)
+        return self.role == "decode" and needed <= self.blocks.num_free_blocks()
+
+    def reserve_import(self, handoff: Handoff) -> KvReceiver:
+        """Reserves the blocks of an exported request, its prompt and first token, and returns the receiver its
+        KV frames go to (from its `first_block`: the leading blocks this engine's prefix cache holds are taken
+        from there). KvImportRefused when the blocks are not free, KvTransferError when this engine cannot take
+        it (role, KV layout), InvalidRequestError for a bad request; none of them reserves anything."""
+        if self.role != "decode":
+            raise KvTransferError(f"a {self.role!r} engine imports no KV: only role decode does")
+        rid, prompt = handoff.request_id, handoff.prompt_token_ids
+        if rid in self.requests or rid in self.imports:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        if handoff.layout != self.kv_layout:
+            raise KvTransferError(f"request {rid!r}: KV layout {handoff.layout} does not match this engine's "
+                                  f"{self.kv_layout}")
+        ids = self._tokenize([*prompt, handoff.first_token])
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"request {rid!r} of {len(ids)} tokens has no room to continue in the "
+                                      f"context length of {self.max_model_len}")
+        if handoff.num_blocks != -(-len(prompt) // self.block_size):
+            raise KvTransferError(f"request {rid!r}: {handoff.num_blocks} blocks cannot hold a prompt of "
+                                  f"{len(prompt)} tokens in blocks of {self.block_size}")
+        seq_id = next(self._seq_ids)
+        self.blocks.add_sequence(seq_id, ids)
+        cached = self.blocks.allocate_cached_prefix(seq_id)
+        if not self.blocks.ensure_capacity(seq_id, len(ids)):
+            self.blocks.remove_sequence(seq_id)
+            raise KvImportRefused(f"request {rid!r} needs {-(-len(ids) // self.block_size)} KV blocks, "
+                                  f"{self.blocks.num_free_blocks()} are free")
+        receiver = KvReceiver(handoff, seq_id, list(self.blocks.block_table(seq_id)), cached // self.block_size)
+        self.imports[rid] = receiver
+        return receiver
+
+    def finish_import(self, receiver: KvReceiver) -> Request:
+        """Applies a complete, verified transfer: the KV goes into the reserved blocks and the request joins the
+        running batch, decoding on from its first token with the sampling state it had (text, seeded generator,
+        grammar). KvTransferError, nothing applied, for a transfer that is not complete or no longer reserved."""
+        rid, h = receiver.request_id, receiver.handoff
+        if self.imports.get(rid) is not receiver:
+            raise KvTransferError(f"request {rid!r} has no reservation here (cancelled or applied already)")
+        if not receiver.complete:
+            raise KvTransferError(f"request {rid!r}: the KV transfer is not complete")
+        detok, generator, grammar = self._continuation(h.params, [h.first_token])
+        num_prompt = len(h.prompt_token_ids)
+        if receiver.total_bytes:
+            write_blocks(self.executor.kv_cache, receiver.block_ids[receiver.first_block:h.num_blocks],
+                         receiver.payload)
+        del self.imports[rid]
+        self.blocks.mark_computed(receiver.seq_id, num_prompt)
+        req = Request(rid, receiver.seq_id, list(h.prompt_token_ids), h.params, h.arrival, slo=h.slo, tier=h.tier,
+                      generator=generator, grammar=grammar)
+        req.append_output(h.first_token, h.first_token_time)
+        if h.first_logprob is not None:
+            req.output_logprobs.append(h.first_logprob)
+        if h.first_top_logprobs is not None:
+            req.output_top_logprobs.append(h.first_top_logprobs)
+        if h.prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_top_logprobs = list(h.prompt_logprobs), list(h.prompt_top_logprobs)
+        req.num_computed_tokens, req.num_cached_tokens = num_prompt, h.num_cached_tokens
+        req.num_blocks = self.blocks.num_blocks_of(receiver.seq_id)
+        req.first_scheduled_time, req.standing = h.first_scheduled_time, h.standing
+        req.status = RequestStatus.RUNNING
+        self.requests[rid], self.detok[rid] = req, detok
+        self.running.append(req)
+        return req
+
+    def cancel_import(self, receiver: KvReceiver) -> None:
+        """Gives back a reservation whose transfer failed or was given up; nothing of it was applied."""
+        if self.imports.get(receiver.request_id) is receiver:
+            del self.imports[receiver.request_id]
+            self.blocks.remove_sequence(receiver.seq_id)
+
+    def import_request(self, handoff: Handoff,
+                       pull: Callable[[int], Iterable[KvBegin | KvChunk | KvEnd]]) -> Request:
+        """The whole import on this thread: reserve, `pull(first_block)` the frames, verify, apply. On any failure
+        the reservation is given back and the error propagates (KvImportRefused before anything was pulled)."""
+        receiver = self.reserve_import(handoff)
+        try:
+            for frame in pull(receiver.first_block):
+                receiver.receive(frame)
+            return self.finish_import(receiver)
+        except BaseException:
+            self.cancel_import(receiver)
+            raise
 
     # ---- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -287,6 +432,9 @@ class Engine:
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
             items.append((req, n))
+        # single-token rows (decodes) lead the flattened batch whatever the policy's order: the attention kernel then
+        # runs them on decode-shaped tiles apart from the prefill chunks
+        items.sort(key=lambda item: item[1] != 1)
         return items
 
     def _preempt(self, req: Request) -> None:
@@ -331,6 +479,8 @@ class Engine:
             reason = "stop"
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
+        elif self.role == "prefill":
+            return self._hold_for_handoff(req, token)
         if reason is not None:
             self.running.remove(req)
             return self._finish(req, reason, new_token_ids=[token], error=error)
@@ -344,6 +494,7 @@ class Engine:
             self.headroom.note_finished(req.standing)
         self.blocks.remove_sequence(req.seq_id)
         req.num_blocks = req.num_computed_tokens = 0
+        self.handoffs.pop(req.request_id, None)
         del self.requests[req.request_id]
         detok = self.detok.pop(req.request_id)
         return self._output(req, new_token_ids or [], detok.take_delta(True), text=detok.text)

@@ -31,6 +31,7 @@ class Executor(Protocol):
     num_kv_blocks: int
     vocab_size: int
     device: torch.device  # where per-request sampling generators live
+    kv_cache: torch.Tensor | None  # [layers, 2, blocks, block_size, kv heads, head dim]; None: it keeps no KV
 
     def execute(self, batch: StepBatch) -> SamplerOutput: ...
 
@@ -48,6 +49,7 @@ class EmulatedExecutor:
         self.step_time, self.num_kv_blocks, self.vocab_size = step_time, num_kv_blocks, vocab_size
         self.eos = set(eos_token_ids)
         self.device = torch.device("cpu")
+        self.kv_cache = None
         self.sleep = sleep  # a virtual clock's advance in tests
 
     def execute(self, batch: StepBatch) -> SamplerOutput:

@@ -1,16 +1,20 @@
 """The real-model executor: weights, the paged KV pool, and one forward + sample per step."""
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 
 from engine.config import EngineConfig
 from engine.context import AttentionContext, set_context
 from engine.executor import StepBatch
-from engine.loader import load_weights
+from engine.loader import load_model
 from engine.model_config import DTYPES, ModelConfig
-from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SamplerOutput, sample, span_logprobs
 from kernels import get_ops
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -22,10 +26,7 @@ class ModelRunner:
             self.dtype = model_cfg.dtype if self.device.type == "cuda" else torch.float32
         self.vocab_size = model_cfg.vocab_size
         ops = get_ops(self.device, backend=None if config.kernels == "auto" else config.kernels)
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_cfg, ops).to(self.dtype)
-        load_weights(self.model, model_cfg.path)
-        self.model.eval()
+        self.model = load_model(model_cfg, ops, self.device, self.dtype)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             pack_linears_for_onednn(self.model)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_that_fit(config.kv_cache_memory,
@@ -37,13 +38,36 @@ class ModelRunner:
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and ops.name in ("triton", "cuda"):  # no syncs
-            from engine.cuda_graphs import DecodeGraphs
+        max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        if ops.name in ("triton", "triton-interpreter", "cuda"):  # Triton kernels: every variant compiles here
+            with kernels_compiling():
+                if self.device.type == "cuda" and not config.enforce_eager:  # these ops never sync: capturable
+                    from engine.cuda_graphs import DecodeGraphs
 
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(self.model, config.max_num_seqs,
-                                           config.max_model_len or model_cfg.max_position_embeddings,
-                                           self.block_size, self.device)
+                    with torch.inference_mode():
+                        self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_model_len, self.block_size,
+                                                   self.device)
+                self._warm_up_eager_steps(max_model_len)
+
+    @torch.inference_mode()
+    def _warm_up_eager_steps(self, max_model_len: int) -> None:
+        """The forward of a step with a decode row and a two-token prefill row, once with a short longest context
+        and once with the longest the engine allows: every kernel variant an eager step launches (decode tiles
+        with and without split-KV, the merge, prefill tiles) compiles now, not in the first step that needs it.
+        The rows write no KV (slot -1) and read block 0, zeroed first so that nothing computes on stale memory."""
+        dev = self.device
+        self.kv_cache[:, :, 0].zero_()
+        for max_seq_len in (2, max_model_len):
+            set_context(AttentionContext(
+                slot_mapping=torch.full((3,), -1, dtype=torch.long, device=dev),
+                block_tables=torch.zeros((2, 1), dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([1, 2], dtype=torch.int32, device=dev),
+                query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32, device=dev),
+                max_seq_len=max_seq_len, max_query_len=2, num_decodes=1))
+            try:
+                self.model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev))
+            finally:
+                set_context(None)
 
     def _blocks_that_fit(self, kv_cache_memory: int, gpu_memory_utilization: float) -> int:
         per_block = self.cfg.kv_bytes_per_token(self.dtype) * self.block_size
@@ -62,13 +86,15 @@ class ModelRunner:
         positions = torch.from_numpy(meta.positions).to(dev, non_blocking=True)
         seq_lens = torch.from_numpy(meta.seq_lens)
         qsl = torch.from_numpy(meta.query_start_loc)
+        q_lens = qsl[1:] - qsl[:-1]
         set_context(AttentionContext(
             slot_mapping=torch.from_numpy(meta.slot_mapping).to(dev, non_blocking=True),
             block_tables=torch.from_numpy(meta.block_tables).to(dev, non_blocking=True),
             seq_lens=seq_lens.to(dev, non_blocking=True),
             query_start_loc=qsl.to(dev, non_blocking=True),
             max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
-            max_query_len=int((qsl[1:] - qsl[:-1]).max()) if len(seq_lens) else 0,
+            max_query_len=int(q_lens.max()) if len(q_lens) else 0,
+            num_decodes=leading_decodes(q_lens),
         ))
         try:
             hidden = self.model(input_ids, positions)
@@ -84,6 +110,52 @@ class ModelRunner:
                               for s in batch.prompt_spans]).to(self.device)
             out.prompt_logprobs = span_logprobs(self.model.compute_logits(hidden[rows]), batch.prompt_spans)
         return out
+
+
+_runners_warming_up = 0  # model runners of this process compiling their kernels on purpose right now
+_compile_warning_installed = False
+
+
+@contextlib.contextmanager
+def kernels_compiling():
+    """Compiles inside are the warm-up's; from the first use on, any other Triton compile in this process logs a
+    warning naming the kernel and its specialisation key: once serving, a compile is a stall of seconds in the
+    middle of a step, and the sign of a launch that specialises on something that varies per step. (The
+    interpreter compiles nothing and never warns.)"""
+    global _runners_warming_up
+    _install_compile_warning()
+    _runners_warming_up += 1
+    try:
+        yield
+    finally:
+        _runners_warming_up -= 1
+
+
+def _install_compile_warning() -> None:
+    global _compile_warning_installed
+    if _compile_warning_installed:
+        return
+    import triton
+
+    earlier = triton.knobs.runtime.jit_post_compile_hook
+
+    def warn(**compiled):
+        if not _runners_warming_up:
+            log.warning("Triton compiled %s after warm-up, while serving; specialisation key %s",
+                        compiled["fn"].name, compiled["key"])
+        if earlier is not None:
+            earlier(**compiled)
+
+    triton.knobs.runtime.jit_post_compile_hook = warn
+    _compile_warning_installed = True
+
+
+def leading_decodes(q_lens: torch.Tensor) -> int:
+    """How many sequences at the head of the batch have one query token each: the attention runs them on decode
+    tiles with split-KV and the rest on prefill tiles. The PolyServe policy schedules decodes first; under the
+    others a prefill chunk scheduled before a decode only moves that decode to the prefill tiles."""
+    others = (q_lens != 1).nonzero()
+    return int(others[0]) if len(others) else len(q_lens)
 
 
 def pack_linears_for_onednn(model: torch.nn.Module, batch_hint: int = 16) -> None:

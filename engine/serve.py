@@ -54,6 +54,9 @@ def main(argv=None) -> None:
         config = EngineConfig.from_args(args)
     except ValueError as e:
         ap.error(str(e))
+    if config.role != "both":
+        ap.error(f"--role {config.role} is for an engine of a prefill/decode fleet; one engine behind this server "
+                 f"serves whole requests (--role both)")
     if args.prompt is not None:
         one_shot(config, args.prompt, args.max_tokens)
         return

@@ -9,11 +9,13 @@ Backends:
              before the first get_ops(..., backend="triton") (that call imports the kernel modules);
   cuda       the Triton kernels with the CUDA C++ ones of csrc/cuda in place of the KV-cache store and of
              decode-only attention (needs the kernels._cuda extension and a CUDA device).
-The Triton modules are imported here lazily, so importing `kernels` never imports triton.
+The Triton modules are imported here lazily, so importing `kernels` never imports triton; the first Triton or CUDA
+bundle checks that the installed Triton is new enough for them.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -23,6 +25,7 @@ import torch
 from kernels import reference, torch_native
 
 BACKENDS = ("reference", "torch", "triton", "cuda")
+TRITON_REQUIRED = (3, 4)  # the kernels read triton.knobs, which Triton 3.4 introduced
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,7 +45,22 @@ TORCH = Ops("torch", torch_native.store_kvcache, torch_native.paged_attention, t
             torch_native.fused_add_rms_norm, torch_native.rotary_embedding, torch_native.silu_and_mul)
 
 
+def require_triton() -> None:
+    """ImportError naming the installed and the required version where Triton is missing or too old for the
+    kernels (checked before they are imported, which would fail on an older Triton with a less helpful error)."""
+    try:
+        import triton
+    except ImportError as error:
+        raise ImportError(f"the Triton kernels need triton >= {'.'.join(map(str, TRITON_REQUIRED))}, and triton is "
+                          f"not installed (pip install the version pyproject.toml pins)") from error
+    match = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    if match is None or tuple(map(int, match.groups())) < TRITON_REQUIRED:
+        raise ImportError(f"the Triton kernels need triton >= {'.'.join(map(str, TRITON_REQUIRED))}; triton "
+                          f"{triton.__version__} is installed (pip install the version pyproject.toml pins)")
+
+
 def _triton_ops(device_type: str) -> Ops:
+    require_triton()
     if device_type == "cpu" and "kernels.attention" not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("Triton kernels on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 in the "
                          "environment before the first get_ops(..., backend='triton')")
@@ -57,6 +75,7 @@ def _triton_ops(device_type: str) -> Ops:
 
 
 def _cuda_ops() -> Ops:
+    require_triton()
     from kernels import cuda_native
 
     cuda_native.load()  # the ImportError names what is missing

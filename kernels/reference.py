@@ -32,7 +32,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                     max_query_len: int | None = None, max_seq_len: int | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, num_decodes: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its paged context; fp32 math, output in q's dtype.
     The keyword hints steer the GPU kernels' launch shapes (kernels.attention) and do not change the result."""
     out = torch.empty_like(q)
@@ -51,6 +51,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
+    """Split-KV attention put back together. partial_out [S, T, Hq, D]: each split's attention over its slice of
+    the keys; partial_lse [S, T, Hq]: the base-2 log of that slice's softmax mass (-inf: the slice had no key, its
+    partial output is ignored). Returns [T, Hq, D] float32; zeros where no slice had a key."""
+    out = torch.zeros(partial_out.shape[1:], dtype=torch.float32, device=partial_out.device)
+    for token in range(partial_out.shape[1]):
+        for head in range(partial_out.shape[2]):
+            lse = partial_lse[:, token, head].float()
+            seen = lse > float("-inf")
+            if seen.any():
+                mass = torch.exp2(lse[seen] - lse[seen].max())
+                out[token, head] = (mass[:, None] * partial_out[seen, token, head].float()).sum(0) / mass.sum()
     return out
 
 

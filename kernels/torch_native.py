@@ -86,7 +86,7 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int, dtype: torch
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                     max_query_len: int | None = None, max_seq_len: int | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, num_decodes: int | None = None) -> torch.Tensor:
     """kernels.reference.paged_attention, vectorised; the keyword hints (for the GPU kernels) are ignored."""
     plan = _plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], q.dtype)
     k_flat = k_cache.view(-1, *k_cache.shape[2:])

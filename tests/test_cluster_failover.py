@@ -190,7 +190,8 @@ def test_a_stream_errs_only_after_its_migrations_are_spent(default_model):
         for i in range(4):
             config = EngineConfig(model=default_model, executor="emulated", num_kv_blocks=NUM_KV_BLOCKS,
                                   time_scale=TIME_SCALE)
-            worker = Worker(build_engine(config, instance_id=f"w{i}"), instance_id=f"w{i}", heartbeat_s=0.2)
+            worker = Worker(build_engine(config, instance_id=f"w{i}"), instance_id=f"w{i}", token=service.token,
+                            heartbeat_s=0.2)
             workers[await service.attach("127.0.0.1", await worker.start())] = worker
         await service.start()
         try:

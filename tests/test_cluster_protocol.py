@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import random
+import threading
 
 import msgspec
 import pytest
@@ -34,10 +35,13 @@ SAMPLES = [
     p.Tokens([p.TokenDelta("r1", [5, 6], "ab", [1.0, 1.5], [-0.1, -0.2]), p.TokenDelta("r2", [], "", [])]),
     p.Finish("r1", "stop", 2, 16),
     p.Error("r1", "invalid", "token id 99999 is outside the vocabulary"),
-    p.StepReport(1.0, 0.004, 512, 3, 2048, 40, 1000, 4, 1, 4, [p.Resident("r1", 10, 11, 2)]),
-    p.Heartbeat(7.25, 4, 1),
+    p.StepReport([p.StepTiming(1.0, 0.004, 512, 3, 2048, 40, 4, 1, 4),
+                  p.StepTiming(1.004, 0.003, 0, 4, 2052, 40, 4, 0, 4)], 1000, [p.Resident("r1", 10, 11, 2)]),
+    p.Heartbeat(7.25, 4, 1, 30, 64),
     p.Drained(),
+    p.Auth(bytes(range(32))),
 ]
+TOKEN = "protocol-test-cluster-token"
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
@@ -48,6 +52,29 @@ def test_every_message_round_trips(msg):
     assert p.decode_payload(frame[4:]) == msg
     assert msgspec.msgpack.decode(frame[4:])[0] == f"{msg.__struct_config__.tag}"
     assert msg.__struct_config__.tag.endswith(f".{p.PROTOCOL_VERSION}")
+
+
+def test_a_prompts_logprobs_frame_reads_whole_and_decodes_beside_the_loop(monkeypatch):
+    """A frame carrying a long prompt's top logprobs reads back equal, its decode run on another thread than the
+    event loop's (small frames stay on the loop)."""
+    top = [[(t, -0.5), (t + 1, -1.5)] for t in range(20_000)]
+    big = p.Tokens([p.TokenDelta("r", [1], "a", [0.0], prompt_logprobs=[None] + [-0.25] * 19_999,
+                                 prompt_top_logprobs=[None] + top[1:])])
+    small = SAMPLES[3]
+    threads = []
+    decode = p.decode_payload
+    monkeypatch.setattr(p, "decode_payload", lambda payload: threads.append(threading.get_ident()) or decode(payload))
+
+    async def read_both():
+        reader = asyncio.StreamReader()
+        reader.feed_data(p.encode_frame(big) + p.encode_frame(small))
+        reader.feed_eof()
+        return [await p.read_message(reader) for _ in range(3)], threading.get_ident()
+
+    (first, second, end), loop_thread = asyncio.run(read_both())
+    assert len(p.encode_frame(big)) > p.THREAD_DECODE_BYTES
+    assert first == big and second == small and end is None
+    assert threads[0] != loop_thread and threads[1] == loop_thread
 
 
 def test_other_versions_and_garbage_are_protocol_errors():
@@ -99,6 +126,11 @@ async def _read_all(reader: asyncio.StreamReader, until_finish: str | None = Non
     return msgs
 
 
+def _auth(hello: p.Hello) -> bytes:
+    """The router's first frame: proof of the cluster token for this connection's challenge."""
+    return p.encode_frame(p.Auth(p.auth_proof(TOKEN, hello.challenge)))
+
+
 def _submit(rid: str, max_tokens: int = 20) -> bytes:
     return p.encode_frame(p.Submit(rid, [5, 6, 7, 8], p.SamplingSpec(temperature=0.0, max_tokens=max_tokens),
                                    "std", SLO(1000, 100), 0.0))
@@ -109,12 +141,12 @@ def test_worker_survives_fuzzed_connections(tmp_path, caplog):
                           FCFSPolicy(2048, 64), step_time=lambda *_: 0.002)
 
     async def scenario():
-        worker = Worker(engine, instance_id="w", heartbeat_s=0.2)
+        worker = Worker(engine, instance_id="w", token=TOKEN, heartbeat_s=0.2)
         port = await worker.start()
         good_r, good_w = await asyncio.open_connection("127.0.0.1", port)
         hello = await p.read_message(good_r)
         assert isinstance(hello, p.Hello) and hello.instance_id == "w" and hello.num_kv_blocks == 256
-        good_w.write(_submit("long", max_tokens=200))  # runs through the whole fuzzing
+        good_w.write(_auth(hello) + _submit("long", max_tokens=200))  # runs through the whole fuzzing
 
         rng = random.Random(1)
         valid = p.encode_frame(SAMPLES[1])
@@ -147,9 +179,11 @@ def test_worker_survives_fuzzed_connections(tmp_path, caplog):
         got = await _read_all(good_r, until_finish="long", timeout=20.0)
         tokens = [t for m in got if isinstance(m, p.Tokens) for d in m.deltas for t in d.token_ids]
         assert len(tokens) == 200
+        good_w.close()  # a worker serves one router at a time
+        while worker.connections:
+            await asyncio.sleep(0.01)
         r2, w2 = await asyncio.open_connection("127.0.0.1", port)
-        await p.read_message(r2)
-        w2.write(_submit("after"))
+        w2.write(_auth(await p.read_message(r2)) + _submit("after"))
         got = await _read_all(r2, until_finish="after")
         finish = [m for m in got if isinstance(m, p.Finish)]
         assert finish and finish[0].num_output_tokens == 20
@@ -171,10 +205,10 @@ def test_worker_rejects_bad_requests_and_drains(tmp_path):
                           FCFSPolicy(2048, 64), step_time=lambda *_: 0.001)
 
     async def scenario():
-        worker = Worker(engine, instance_id="w")
+        worker = Worker(engine, instance_id="w", token=TOKEN)
         port = await worker.start()
         r, w = await asyncio.open_connection("127.0.0.1", port)
-        await p.read_message(r)
+        w.write(_auth(await p.read_message(r)))
         w.write(p.encode_frame(p.Submit("oov", [5, 5000], p.SamplingSpec(), "std", SLO(1000, 100), 0.0)))
         w.write(p.encode_frame(p.Submit("neg", [5], p.SamplingSpec(temperature=-1.0), "std", SLO(1000, 100), 0.0)))
         w.write(_submit("ok", max_tokens=30))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 
 import pytest
 
@@ -593,6 +594,138 @@ def test_bad_arguments_are_named():
     router.submit(request("dup", STD), 0.0)
     with pytest.raises(ValueError, match="already placed"):
         router.submit(request("dup", STD), 0.0)
+
+
+# ---- parallel samples, resumed streams, and what an idle instance says -------------------------------------------
+def samples(rid: str, n: int, tier: int = STD, arrival: float = 0.0) -> RoutedRequest:
+    """Sample 0 of a request of n parallel samples, the other n - 1 its companions."""
+    first = request(f"{rid}-0", tier, arrival)
+    first.companions = tuple(request(f"{rid}-{i}", tier, arrival) for i in range(1, n))
+    return first
+
+
+def test_the_samples_of_one_request_go_onto_one_instance_each_counted():
+    router = make_router(max_instances=2)
+    ready(router, "a", "b")
+    on_a = fill(router, "a", STD, 2)
+    probe = request("probe", STD).snapshot(0.0)
+    assert router.checker.check(state(router, "a", 50), probe, 0.0).ok  # one more request fits on "a"
+    # three samples would overflow "a"'s KV at the peak, so all three go to "b" (from the idle pool), together
+    d = router.submit(samples("n", 3), 0.0)
+    assert (d.outcome, d.instance_id, d.how) == (Outcome.PLACED, "b", How.SCALED_UP)
+    b = router.fleet["b"]
+    assert list(b.residents) == ["n-0", "n-1", "n-2"] and b.residents_per_tier[STD] == 3
+    assert all(router.requests[f"n-{i}"].instance_id == "b" for i in range(3))
+    assert router.requests["n-0"].companions == ()  # placed: each a request of its own from here on
+    # the others prefill what the first's cached prompt does not give them; every sample is a sequence of its own
+    assert [r.num_computed_tokens for r in b.residents.values()] == [0, 999, 999]
+    assert (b.summary.num_residents, b.kv_tokens) == (3, 3000)
+    assert b.load == pytest.approx(MODEL.predict(0, 3, 3000))
+    assert not router.checker.check(state(router, "b", 50), probe, 0.0).ok  # "b" is full with them
+    assert router.counts["scaled_up"] == 1 + 3  # "a" for the first of `fill`, and each sample
+    # two samples fit nowhere now: they wait as one, and are placed as one when "a" has room for both
+    assert router.submit(samples("m", 2, arrival=0.1), 0.1).outcome is Outcome.QUEUED
+    assert "m-0" in router.requests and "m-1" not in router.requests
+    assert router.retry_queued(0.15) == []
+    router.on_finished(on_a[0].request_id, 100, 0.2)
+    out = router.retry_queued(0.2)
+    assert [(p.request.request_id, p.instance_id) for p in out] == [("m-0", "a")]
+    assert {"m-0", "m-1"} <= set(router.fleet["a"].residents) and router.requests["m-1"].instance_id == "a"
+    # a companion's id is taken like any other
+    taken = request("x-0", STD, 0.3)
+    taken.companions = (request("n-1", STD, 0.3),)
+    with pytest.raises(ValueError, match="'n-1' is already placed"):
+        router.submit(taken, 0.3)
+    assert "x-0" not in router.requests
+
+
+def test_least_loaded_admission_tests_the_samples_of_one_request_together():
+    router = make_router("least-loaded-admission")
+    ready(router, "a", "b")
+    assert [router.submit(request(f"r{i}", STD), 0.0).instance_id for i in range(2)] == ["a", "b"]
+    probe = request("probe", STD).snapshot(0.0)
+    assert all(router.checker.check(state(router, i, 50), probe, 0.0).ok for i in ("a", "b"))
+    # one request more fits on either, three samples on neither (a fourth request overflows the KV)
+    assert router.submit(samples("n", 3), 0.0).outcome is Outcome.QUEUED
+    d = router.submit(samples("m", 2), 0.0)
+    assert (d.outcome, d.instance_id) == (Outcome.PLACED, "a")
+    assert {"m-0", "m-1"} <= set(router.fleet["a"].residents)
+
+
+def migrated(router: Router, lost: list[RoutedRequest], now: float, resumed: bool) -> list[tuple[str, float, float]]:
+    """Each lost stream placed again as the service places it (its streamed tokens now its prompt's end), in
+    turn: where it went, its predicted next token there and the soonest any instance of its tier predicted."""
+    out = []
+    for r in lost:
+        r.num_prompt_tokens, r.max_tokens = r.num_prompt_tokens + 20, r.max_tokens - 20
+        r.resumed_tokens = 20 if resumed else 0
+        predicted = {iid: router.checker.check(state(router, iid, TIERS[STD].tpot_ms), r.snapshot(now), now)
+                     .first_token_time - now for iid, view in router.fleet.instances.items()
+                     if view.status is InstanceStatus.READY}
+        d = router.submit(r, now, readmit=True)
+        assert d.outcome is Outcome.PLACED, r.request_id
+        out.append((d.instance_id, predicted[d.instance_id], min(predicted.values())))
+    return out
+
+
+def test_streams_resumed_from_a_lost_instance_spread_where_their_next_token_comes_soonest():
+    """An instance dies with 24 streams under way. Placed again busiest first, as new requests are, they pile up on
+    one instance and re-prefill one behind the other; resumed streams go each where its next token is predicted
+    soonest, the ones placed before it counted in: they spread over both survivors, and the last one's next
+    token comes much sooner."""
+    placed = {}
+    for resumed in (False, True):
+        router = make_router(queue_limit=64)
+        ready(router, "a", "b", "c", capacity=100_000)
+        now = 0.0
+        for i in range(24):  # all onto "a" (the busiest that attains), each decoding its 20th token
+            d = router.submit(request(f"r{i}", STD, now, prompt=1500, max_tokens=400), now)
+            assert d.instance_id == "a"
+            router.on_report("a", InstanceReport(now, 0, [Resident(r.request_id, 1500, 1519, 20)
+                                                          for r in router.fleet["a"].residents.values()]), now)
+            now += 0.05
+        placed[resumed] = migrated(router, router.on_lost("a", now), now, resumed)
+    piled, spread = placed[False], placed[True]
+    assert max(Counter(i for i, *_ in piled).values()) >= 18
+    counts = Counter(i for i, *_ in spread)
+    assert set(counts) == {"b", "c"} and abs(counts["b"] - counts["c"]) <= 2
+    assert all(mine == pytest.approx(soonest) for _, mine, soonest in spread)
+    assert max(t for _, t, _ in spread) < 0.7 * max(t for _, t, _ in piled)
+
+
+def test_a_resumed_stream_is_never_held_to_its_first_token_deadline():
+    """Its first token from here is not its first: it is placed where its old first-token deadline, still ahead,
+    cannot be met (a request that never streamed waits for an instance that could meet it), and its next token
+    does not feed the first-token margin."""
+    router = make_router(max_instances=1)
+    ready(router, "a", now=-0.96)
+    fill(router, "a", STD, 2, now=-0.96)  # two prefills, their first tokens due by 0.04: ahead of anything now
+    due_soon = dict(arrival=-0.95, prompt=1000, max_tokens=100)  # first token due by 0.05: idle "a" could
+    plain = request("plain", STD, **due_soon)
+    assert router.submit(plain, 0.01, readmit=True).outcome is Outcome.QUEUED and not plain.late
+    resumed = request("resumed", STD, **due_soon)
+    resumed.resumed_tokens = 5
+    d = router.submit(resumed, 0.01, readmit=True)
+    assert (d.outcome, d.instance_id) == (Outcome.PLACED, "a") and resumed.late
+    margin = router.first_token_headroom[STD]
+    router.on_report("a", InstanceReport(0.5, 0, [Resident("resumed", 1000, 1000, 1)]), 0.5)  # past 0.05
+    assert (margin.num_missed, margin.num_attained) == (0, 0)
+
+
+def test_an_idle_instance_word_replaces_its_last_steps_kv_figure():
+    router = make_router()
+    ready(router, "a")
+    reqs = fill(router, "a", STD, 2)
+    router.on_report("a", InstanceReport(1.0, 130, [Resident(r.request_id, 1000, 1001, 1) for r in reqs]), 1.0)
+    assert router.fleet["a"].num_blocks_used == 130
+    for r in reqs:
+        router.on_finished(r.request_id, 1, 1.1, completed=False)
+    router.on_load("a", 0)
+    view = router.fleet["a"]
+    assert (view.num_blocks_used, len(view.residents), view.kv_tokens, view.load) == (0, 0, 0, 0.0)
+    router.on_lost("a", 1.2)
+    router.on_load("a", 99)  # a dead instance's last word changes nothing
+    assert view.num_blocks_used == 0
 
 
 # ---- the summary-based test places exactly as the one-pass test it replaced -----------------------------------------

@@ -1,6 +1,7 @@
 """The HTTP front ends under what a public deployment sends them: steps counted past the bounded step history (engine
-server and a two-engine router), a near-limit body parsed off the event loop while other streams carry on, bodies
-refused before they are read, gauges that go back to idle, API keys, and model folders as GGUF exports save them."""
+server and a two-engine router), a near-limit body parsed, and a near-limit prompt echoed with its logprobs, off the
+event loop while other streams carry on, bodies refused before they are read, gauges that go back to idle, API keys,
+and model folders as GGUF exports save them."""
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 
 import httpx
 import openai
@@ -123,7 +125,7 @@ def test_router_hears_every_step_of_each_engine_past_the_history(llama_tiny):
     service = RouterService(Router(tiers, emulated_latency_model()))
     engines = [small_history_engine(llama_tiny[0], num_kv_blocks=64, tiers="a:1000:10000,b:2000:20000")
                for _ in range(2)]
-    workers = [Worker(e, instance_id=f"w{i}", heartbeat_s=0.2) for i, e in enumerate(engines)]
+    workers = [Worker(e, instance_id=f"w{i}", token=service.token, heartbeat_s=0.2) for i, e in enumerate(engines)]
     server = ServerThread(build_app(RouterBackend(service, "m", 1024, None)))
     try:
         ids = []
@@ -148,35 +150,52 @@ def test_router_hears_every_step_of_each_engine_past_the_history(llama_tiny):
         server.close()
 
 
-# ---- a near-limit body is parsed off the event loop ---------------------------------------------------------------
+# ---- near-limit work off the event loop ---------------------------------------------------------------------------
 class GatedTokenizer:
-    """The model's tokenizer, whose chat templating waits for the test's word: while it waits, the request is in the
-    middle of being parsed. `encoded` counts what was tokenized outright."""
+    """The model's tokenizer, whose `gated` work waits for the test's word: chat templating (the request is in the
+    middle of being parsed) or decoding one token (its logprobs are being detokenized). `encoded` counts what was
+    tokenized outright; `token_decodes` the one-token decodes of each thread, by its name."""
 
-    def __init__(self, inner: Tokenizer):
-        self.inner = inner
+    def __init__(self, inner: Tokenizer, gated: str):
+        if gated not in ("apply_chat_template", "decode"):
+            raise ValueError(f"nothing to gate named {gated!r}")
+        self.inner, self.gated = inner, gated
         self.entered, self.release = threading.Event(), threading.Event()
         self.encoded = 0
+        self.token_decodes: Counter[str] = Counter()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def _hold(self, work: str) -> None:
+        if work == self.gated:
+            self.entered.set()
+            assert self.release.wait(WAIT_S)
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        self.entered.set()
-        assert self.release.wait(WAIT_S)
+        self._hold("apply_chat_template")
         return self.inner.apply_chat_template(messages)
 
     def encode(self, text: str) -> list[int]:
         self.encoded += 1
         return self.inner.encode(text)
 
+    def decode(self, ids: list[int]) -> str:
+        if len(ids) == 1:
+            self.token_decodes[threading.current_thread().name] += 1
+            self._hold("decode")
+        return self.inner.decode(ids)
+
 
 @pytest.fixture
-def gated_server(default_model):
+def gated_server(default_model, request):
+    """A server on an emulated engine of the default model, the HTTP layer's tokenizer gated at `request.param`
+    (chat templating unless told)."""
     step = lambda *_: 0.005  # noqa: E731
-    engine = build_engine(EngineConfig(model=default_model, executor="emulated", num_kv_blocks=256), step_time=step)
+    # room for a prompt of the whole context beside another stream
+    engine = build_engine(EngineConfig(model=default_model, executor="emulated", num_kv_blocks=1024), step_time=step)
     backend = EngineBackend(engine, "m")
-    backend.tokenizer = gate = GatedTokenizer(engine.tokenizer)
+    backend.tokenizer = gate = GatedTokenizer(engine.tokenizer, getattr(request, "param", "apply_chat_template"))
     server = ServerThread(build_app(backend))
     try:
         yield server, gate
@@ -204,6 +223,66 @@ def test_streams_and_health_carry_on_while_a_near_limit_body_is_parsed(gated_ser
         gate.release.set()
         answer = big.result(WAIT_S)
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+    assert stream.finish() == "length"
+
+
+def completion_of(url: str, body: dict) -> tuple[str, dict]:
+    """A completion's text and logprobs object; streamed, its chunks' joined."""
+    if not body.get("stream"):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["logprobs"]
+    text, logprobs = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=WAIT_S) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                for key, values in (choice["logprobs"] or {}).items():
+                    logprobs[key] += values
+    return text, logprobs
+
+
+@pytest.mark.parametrize("gated_server", ["decode"], indirect=True)
+def test_streams_and_health_carry_on_while_an_echoed_near_limit_prompt_is_detokenized(gated_server):
+    """echo with logprobs of a prompt of the whole context: every prompt token's text and its alternatives'. While
+    that detokenizing waits, /health answers and another stream carries on; the prompt's tokens were decoded on
+    worker threads, and the answer, streamed or whole, is the prompt's."""
+    server, gate = gated_server
+    context = 8192  # the default model's
+    output_tokens, alternatives = 4, 5
+    prompt = (gate.inner.encode(FILLER) * context)[:context - output_tokens]
+    body = {"prompt": prompt, "max_tokens": output_tokens, "echo": True, "logprobs": alternatives, "stream": True}
+    stream = StreamReader(server.url, {"prompt": [1, 2, 3], "max_tokens": 2000})
+    stream.tokens(5)
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(completion_of, server.url, body)
+        assert gate.entered.wait(WAIT_S), "the echoed prompt's logprobs were never detokenized"
+        # the big answer sits in its detokenizing; the loop still serves /health and the other stream's tokens
+        assert httpx.get(server.url + "/health", timeout=WAIT_S).status_code == 200
+        before = len(stream.chunks)
+        stream.tokens(before + 20)
+        assert not big.done() and not stream.done.is_set()
+        gate.release.set()
+        streamed = big.result(WAIT_S)
+    whole = completion_of(server.url, {**body, "stream": False})
+    n = len(prompt)
+    decodes = gate.token_decodes.copy()
+    # the event loop decoded at most the streamed output tokens after the first, each with its alternatives
+    assert decodes.pop("http-server", 0) <= output_tokens * (alternatives + 1), gate.token_decodes
+    assert all(name.startswith("http-parse") for name in decodes) and decodes.total() > 2 * n, gate.token_decodes
+    assert streamed == whole
+    text, logprobs = whole
+    assert text.startswith(gate.inner.decode(prompt)) and len(logprobs["tokens"]) == n + output_tokens
+    assert logprobs["tokens"][:n] == [gate.inner.decode([t]) for t in prompt]
+    assert logprobs["text_offset"] == [0, *accumulate(map(len, logprobs["tokens"][:-1]))]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(lp == 0.0 for lp in logprobs["token_logprobs"][1:])  # the emulated executor's tokens are certain
+    # its alternatives to a token are the ids that follow it
+    assert [set(top) for top in logprobs["top_logprobs"][1:n]] == \
+        [{gate.inner.decode([t + j]) for j in range(alternatives)} for t in prompt[1:]]
     assert stream.finish() == "length"
 
 

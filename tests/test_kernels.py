@@ -41,16 +41,19 @@ def ops():
 
 @contextlib.contextmanager
 def poisoned_allocations():
-    """torch.empty / torch.empty_like hand out NaN-filled floating tensors while active."""
+    """torch.empty / torch.empty_like hand out NaN-filled floating tensors while active; yields the list of them."""
     empty, empty_like = torch.empty, torch.empty_like
+    allocated = []
 
     def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+        if t.is_floating_point():
+            allocated.append(t.fill_(float("nan")))
+        return t
 
     torch.empty = lambda *a, **k: poison(empty(*a, **k))
     torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))
     try:
-        yield
+        yield allocated
     finally:
         torch.empty, torch.empty_like = empty, empty_like
 
@@ -84,8 +87,21 @@ ATTENTION_CASES = [
 ]
 
 
+@pytest.fixture
+def attention_module(ops):
+    from kernels import attention
+
+    return attention
+
+
+@pytest.fixture
+def short_splits(attention_module, monkeypatch):
+    """Splits of 16 keys or more, so the short contexts the interpreter can afford use several of them."""
+    monkeypatch.setattr(attention_module, "MIN_KEYS_PER_SPLIT", 16)
+
+
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
-def test_paged_attention_matches_reference(ops, case):
+def test_paged_attention_matches_reference(ops, short_splits, case):
     _, q_lens, context_lens, q_heads, kv_heads, head_dim, block_size, dtype, num_splits = case
     batch = random_paged_batch(q_lens, context_lens, q_heads, kv_heads, head_dim, block_size, dtype, DEVICE,
                                seed=len(q_lens) * 1000 + sum(context_lens))
@@ -112,6 +128,98 @@ def test_decode_hint_and_default_splits_match_reference(ops):
         default = ops.paged_attention(*batch.attention_args())
     assert_close(hinted, ref, F16)
     assert_close(default, ref, F16)
+
+
+# (name, q_lens, context_lens, q_heads, kv_heads, head_dim, block_size, dtype, num_splits, num_decodes)
+MIXED_CASES = [
+    ("gqa4-bf16-split4", [1, 1, 1, 37, 12], [40, 150, 0, 11, 70], 8, 2, 64, 16, BF16, 4, 3),
+    # The decode after the first prefill chunk is left to the prefill launch.
+    ("mha-fp16-auto-splits", [1, 1, 19, 1, 5], [27, 60, 13, 2, 0], 4, 4, 64, 16, F16, None, 2),
+    ("gqa4-fp32-dim48-split3", [1, 33, 7], [95, 0, 130], 8, 2, 48, 16, F32, 3, 1),
+    ("mha-bf16-block48-split2", [1, 1, 1, 1, 9], [51, 7, 100, 33, 20], 4, 4, 128, 48, BF16, 2, 4),
+]
+
+
+@pytest.mark.parametrize("case", MIXED_CASES, ids=[c[0] for c in MIXED_CASES])
+def test_mixed_batch_runs_decode_rows_on_decode_tiles(ops, attention_module, short_splits, monkeypatch, case):
+    """With the decode rows first, they get a launch of their own (decode tiles, no search, split-KV) and the
+    prefill chunks after them another, over the rest of the tokens; together they match the reference."""
+    _, q_lens, context_lens, q_heads, kv_heads, head_dim, block_size, dtype, num_splits, num_decodes = case
+    batch = random_paged_batch(q_lens, context_lens, q_heads, kv_heads, head_dim, block_size, dtype, DEVICE,
+                               seed=sum(q_lens) + sum(context_lens))
+    launches = []
+    launch = attention_module._launch
+    monkeypatch.setattr(attention_module, "_launch", lambda *a, **k: launches.append(k) or launch(*a, **k))
+    with poisoned_allocations():
+        out = ops.paged_attention(*batch.attention_args(), max_query_len=max(q_lens),
+                                  max_seq_len=int(batch.seq_lens.max()), num_splits=num_splits,
+                                  num_decodes=num_decodes)
+    assert_close(out, reference.paged_attention(*batch.attention_args()), dtype)
+    layout = [(k["first_token"], k["num_tokens"], k["decode"], k["single_query"]) for k in launches]
+    assert layout == [(0, num_decodes, True, True), (num_decodes, sum(q_lens) - num_decodes, False, False)]
+    if num_splits is not None:
+        assert [k["num_splits"] for k in launches] == [num_splits, num_splits]
+
+
+def test_paged_attention_rejects_num_decodes_past_the_single_token_rows(ops):
+    batch = random_paged_batch([1, 4], [5, 9], 4, 2, 64, 16, F32, DEVICE)
+    with pytest.raises(ValueError, match="num_decodes must be in"):
+        ops.paged_attention(*batch.attention_args(), num_decodes=3)
+
+
+def test_split_count_follows_each_sequence_not_the_launch(ops, attention_module):
+    """A CUDA graph launches the split count of the longest context it may meet (32 at batch 1 on an H100-class
+    device). Each sequence must use only the splits its keys fill, one per MIN_KEYS_PER_SPLIT: the others write
+    log-sum-exp -inf and no partial output (left NaN here), and the result still matches the reference."""
+    graph_splits = attention_module.choose_num_splits(1, 2, None, 132)
+    assert graph_splits == attention_module.MAX_SPLITS
+    min_keys = attention_module.MIN_KEYS_PER_SPLIT
+    context_lens = [0, 40, 2 * min_keys + 50, min_keys - 1]
+    batch = random_paged_batch([1] * 4, context_lens, 8, 2, 64, 16, F16, DEVICE, seed=41)
+    batch.seq_lens[0] = 0  # a graph's padding slot
+    with poisoned_allocations() as allocated:
+        out = ops.paged_attention(*batch.attention_args(), max_query_len=1, num_splits=graph_splits)
+    assert_close(out, reference.paged_attention(*batch.attention_args()), F16)
+    partial_out = next(t for t in allocated if t.dim() == 4 and t.shape[0] == graph_splits)
+    partial_lse = next(t for t in allocated if t.dim() == 3 and t.shape[0] == graph_splits)
+    for seq, seq_len in enumerate(batch.seq_lens.tolist()):
+        written = (~partial_out[:, seq].isnan()).flatten(1).any(1)
+        used = int(written.sum())
+        assert written[:used].all(), f"sequence {seq}: the splits it uses are not the first ones"
+        most = max(1, seq_len // min_keys) if seq_len else 0
+        assert (used >= 1 or seq_len == 0) and used <= most, (seq, seq_len, used)
+        assert (partial_lse[used:, seq] == float("-inf")).all()
+    assert int((~partial_out[:, 2].isnan()).flatten(1).any(1).sum()) == 2  # 2 * MIN_KEYS_PER_SPLIT + 50 keys
+
+
+def test_choose_num_splits_from_the_real_context():
+    from kernels.attention import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits
+
+    assert choose_num_splits(1, 8, 100, 132) == 1  # short: one split, whatever the device's size
+    assert choose_num_splits(1, 8, 16 * MIN_KEYS_PER_SPLIT, 132) == 16  # capped by the keys
+    assert choose_num_splits(1, 8, None, 132) == MAX_SPLITS  # a graph's bound
+    assert choose_num_splits(8, 8, 32 * MIN_KEYS_PER_SPLIT, 132) == 5  # about two programs per multiprocessor
+    assert choose_num_splits(64, 8, 32 * MIN_KEYS_PER_SPLIT, 132) == 1  # the batch fills the device
+
+
+@pytest.mark.parametrize("num_splits, tokens, heads, head_dim, dtype", [
+    (3, 5, 4, 64, F32), (32, 2, 3, 48, BF16), (1, 3, 2, 128, F16)])
+def test_merge_splits_matches_reference(attention_module, num_splits, tokens, heads, head_dim, dtype):
+    """Partials as the attention kernel leaves them: splits past a sequence's keys have log-sum-exp -inf and a
+    partial output never written (NaN here), and one (token, head) saw no key at all (zeros)."""
+    generator = torch.Generator(DEVICE).manual_seed(num_splits)
+    partial_out = torch.randn(num_splits, tokens, heads, head_dim, generator=generator, device=DEVICE)
+    partial_lse = torch.randn(num_splits, tokens, heads, generator=generator, device=DEVICE) * 8
+    empty = torch.rand(num_splits, tokens, heads, generator=generator, device=DEVICE) < 0.4
+    empty[:, 0, 0] = True
+    empty[0, 1:] = False
+    partial_lse[empty] = float("-inf")
+    partial_out[empty] = float("nan")
+    out = torch.full((tokens, heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    attention_module.merge_splits(partial_out, partial_lse, out)
+    expected = reference.merge_splits(partial_out, partial_lse)
+    assert torch.equal(expected[0, 0], torch.zeros(head_dim, device=DEVICE))
+    assert_close(out, expected.to(dtype), dtype)
 
 
 def test_padding_sequence_gets_zeros(ops):
@@ -300,6 +408,15 @@ def test_get_ops_chooses_one_implementation_per_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             get_ops("cuda")
+
+
+def test_leading_decodes_counts_the_single_token_sequences_at_the_head():
+    from engine.model_runner import leading_decodes
+
+    assert leading_decodes(torch.tensor([1, 1, 7, 1], dtype=torch.int32)) == 2
+    assert leading_decodes(torch.tensor([1, 1, 1], dtype=torch.int32)) == 3
+    assert leading_decodes(torch.tensor([5, 1], dtype=torch.int32)) == 0
+    assert leading_decodes(torch.tensor([], dtype=torch.int32)) == 0
 
 
 def test_engine_generates_the_same_tokens_with_the_triton_kernels(llama_tiny):

@@ -1,159 +1,112 @@
-"""The simulator against the live engine in real time: one emulated engine (engine.llm.build_engine, executor
-"emulated", sleeping the latency model's step time) and the simulator serve the same workload; with the engine's
-measured host time per step added (a constant plus a part per sequence, fitted to the engine's own step records:
-on this CPU about 0.2-0.3 ms + 5-10 us per sequence), the simulator's attainment and latency are close to the engine's.
-
-The latency model is Llama-3.1-8B on an H200 scaled by 0.5, so the run takes seconds.
-
-Then a fleet: four emulated engine processes behind the live router service (cluster/service.py, the PolyServe
-router, sockets and all) serve a mixed-tier workload in real time, and the simulator with four instances serves the
-same one: attainment within a few points, per-tier latency distributions alike."""
+"""The simulator against the engine, in virtual time: the calibration benchmark's engine comparison
+(bench/calibration_replay.py: its workload, latency model and batch policy) with the live engine stepping on the
+virtual clock agrees with the simulator to rounding, with no host time and no stall; the host-time fit recovers what
+synthetic steps were given and counts as stall only what it cannot explain; and the simulator adds a fitted host
+time to every step. The same comparisons in real time depend on how busy the machine is, which no test controls:
+they are the benchmark (`python -m bench.calibration_replay`)."""
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
 
-from cluster.sim.calibration import (attained, replay_on_engine, replay_on_fleet, simulated_with_host_time,
-                                     write_emulated_model_folder)
+from bench.calibration_replay import engine_policy, engine_setup
+from cluster.sim.calibration import (STALL_THRESHOLD_S, EngineReplay, attained, host_time, replay_on_engine,
+                                     simulated_with_host_time, write_emulated_model_folder)
 from cluster.sim.simulator import SimConfig
-from cluster.sim.workload import TierMix, WorkloadFactory, default_tiers, load_trace
-from scheduler.polyserve import PolyServePolicy
-from scheduler.roofline import emulated_latency_model
-
-# Real time: the live engine sleeps and is measured on the wall clock (see pyproject.toml's `realtime` marker).
-pytestmark = pytest.mark.realtime
-
-TIME_SCALE = 0.5
-RATE = 36.0  # requests per second of scaled time: 18/s on the real H200, near one mixed instance's limit
-DURATION = 6.0
-# A run in which the CPU was taken from the engine for more than this share of its time (another process on a
-# shared machine) is run again, up to ATTEMPTS times: such stalls are no property of the engine that a simulator
-# could model. Quiet runs here stall ~0.2 %; two CPU hogs on this 2-core machine ~2.5 % (the figures still agree);
-# six hogs ~11 % (they do not).
-MAX_STALL_SHARE = 0.03
-ATTEMPTS = 3
-
-
-def _quietest(replay):
-    """`replay()` run until one run is undisturbed, at most ATTEMPTS times: the quietest run."""
-    attempts = []
-    for _ in range(ATTEMPTS):
-        attempts.append(replay())
-        if attempts[-1].stall_s <= MAX_STALL_SHARE * attempts[-1].wall_s:
-            break
-    return min(attempts, key=lambda r: r.stall_s / r.wall_s)
-
-
-def _compared(cfg: SimConfig, tiers, model, w, replay, policy_factory=None):
-    """The quietest live run, and the simulator on the same workload with the run's host time per step."""
-    live = _quietest(replay)
-    return w, live, simulated_with_host_time(cfg, tiers, model, w, live, policy_factory)
-
-
-def _workload(model, tiers, cfg: SimConfig, rate: float, duration: float):
-    factory = WorkloadFactory(load_trace("azure2023_conv"), tiers, model, cfg.kv_blocks * cfg.block_size,
-                              cfg.max_prefill_chunk, TierMix((1, 1, 1, 1)))
-    return factory.poisson(rate, duration, seed=7)
+from cluster.sim.workload import Workload
+from scheduler.prediction_error import PredictionError
+from scheduler.tiers import Tier, TierSet
+from scheduler.types import StepStats
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    model = emulated_latency_model(TIME_SCALE)
-    tiers = default_tiers(model)
-    cfg = SimConfig(num_instances=1, router_policy="round-robin", reveal_output_len=True)
-    w = _workload(model, tiers, cfg, RATE, DURATION)
+def virtual_runs(tmp_path_factory):
+    setup = engine_setup()
     folder = write_emulated_model_folder(tmp_path_factory.mktemp("m"))
-
-    def policy(*_):  # the same on both sides: the model as given, no headroom
-        return PolyServePolicy(model, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk)
-
-    def replay():
-        return replay_on_engine(w, model, policy(), folder, cfg.kv_blocks, clock="real")
-
-    return _compared(cfg, tiers, model, w, replay, policy)
+    live = replay_on_engine(setup.workload, setup.model, engine_policy(setup), folder, setup.config.kv_blocks,
+                            clock="virtual")
+    config = dataclasses.replace(setup.config, record_token_times=True)
+    sim = simulated_with_host_time(config, setup.tiers, setup.model, setup.workload, live,
+                                   lambda *_: engine_policy(setup))
+    return setup, live, sim
 
 
-def test_every_request_served_by_both(runs):
-    w, live, sim = runs
-    assert all(t is not None and len(t) == n for t, n in zip(live.token_times, w.output_lens))
-    assert sim.served.all()
-    assert 0 < live.step_overhead_s + 32 * live.step_overhead_per_seq_s < 0.005  # a CPU's host time per step
+def test_virtual_replay_of_the_benchmark_agrees_with_the_simulator(virtual_runs):
+    setup, live, sim = virtual_runs
+    w = setup.workload
+    assert all(t is not None and len(t) == n for t, n in zip(live.token_times, w.output_lens)) and sim.served.all()
+    assert live.stall_s == 0.0  # the virtual clock moves by the model alone: nothing to explain
+    assert live.step_overhead_s == pytest.approx(0.0, abs=1e-12)
+    assert live.step_overhead_per_seq_s == pytest.approx(0.0, abs=1e-12)
+    for i, (mine, theirs) in enumerate(zip(sim.token_times, live.token_times)):
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-9, err_msg=f"request {i}")
+    assert attained(w, live.token_times).tolist() == attained(w, sim.token_times).tolist()
+    assert attained(w, live.token_times).mean() == sim.attainment()
+    assert len(set(w.tier_index.tolist())) == len(w.tiers) and live.num_steps > len(w)  # every tier, real batching
 
 
-@pytest.mark.parametrize("compared", ["runs", "fleet_runs"])
-def test_the_kept_run_was_not_disturbed(compared, request):
-    w, live, sim = request.getfixturevalue(compared)
-    assert live.stall_s <= MAX_STALL_SHARE * live.wall_s, \
-        f"every attempt lost over {MAX_STALL_SHARE:.0%} of its time to stalls (best {live.stall_s:.3f} s)"
+def steps(extra: list[float], seqs: list[int], slept: float = 0.01) -> tuple[list[StepStats], list[float]]:
+    """Steps that slept `slept` each and took `extra` more, with `seqs` sequences."""
+    stats = [StepStats(start=float(i), duration=slept + e, num_prefill_tokens=0, num_decode_seqs=n, num_kv_tokens=0,
+                       num_blocks_used=0, num_running=n, num_waiting=0, num_seqs=n)
+             for i, (e, n) in enumerate(zip(extra, seqs))]
+    return stats, [slept] * len(stats)
 
 
-def test_attainment_within_a_few_points(runs):
-    w, live, sim = runs
-    assert abs(attained(w, live.token_times).mean() - sim.attainment()) <= 0.06
+def test_host_time_fit_recovers_a_constant_and_a_part_per_sequence():
+    seqs = [1, 4, 9, 16, 32, 2, 7, 64]
+    stats, slept = steps([3e-4 + 8e-6 * n for n in seqs], seqs)
+    const, per_seq, stall = host_time(stats, slept)
+    assert const == pytest.approx(3e-4, abs=1e-12) and per_seq == pytest.approx(8e-6, abs=1e-13)
+    assert stall == pytest.approx(0.0, abs=1e-12)
 
 
-def test_latency_distributions_alike(runs):
-    w, live, sim = runs
-    live_ttft = np.array([t[0] - a for t, a in zip(live.token_times, w.arrivals)])
-    live_tpot = np.array([(t[-1] - t[0]) / (len(t) - 1) for t in live.token_times if len(t) > 1])
-    sim_tpot = sim.mean_tpot[~np.isnan(sim.mean_tpot)]
-    for q in (50, 90):
-        assert np.percentile(sim_tpot, q) == pytest.approx(np.percentile(live_tpot, q), rel=0.15)
-    # first tokens queue near this load: the tail is the most sensitive figure, so it gets the widest margin
-    assert np.percentile(sim.ttft, 50) == pytest.approx(np.percentile(live_ttft, 50), rel=0.3)
-    assert np.percentile(sim.ttft, 90) == pytest.approx(np.percentile(live_ttft, 90), rel=0.5)
+def test_host_time_stall_is_what_the_fit_leaves_over_the_threshold():
+    seqs = [1, 2, 3, 4, 5, 6, 7, 8] * 4
+    extra = [2e-4 + 1e-5 * n for n in seqs]
+    extra[5] += 0.05  # one step held up: the CPU taken away
+    stats, slept = steps(extra, seqs)
+    gaps = [1e-4, 0.02, STALL_THRESHOLD_S / 2]  # only the middle one is a stall
+    const, per_seq, stall = host_time(stats, slept, gaps)
+    # the held step pulls the least-squares fit a little; what it leaves unexplained is the stall
+    residual = np.array(extra) - const - per_seq * np.array(seqs)
+    over = residual[residual > STALL_THRESHOLD_S] - STALL_THRESHOLD_S
+    assert len(over) == 1 and stall == pytest.approx(over.sum() + 0.02 - STALL_THRESHOLD_S, abs=1e-12)
+    assert 0.04 < stall < 0.07
 
 
-# ---- a fleet through the live router --------------------------------------------------------------------------
-FLEET_TIME_SCALE = 2.0  # iterations twice the H200's: host time (sockets, reports) stays small beside them
-FLEET_SIZE = 4
-FLEET_RATE = 36.0  # requests per second of scaled time: 0.8 x the fluid bound of four instances (11.4/s each)
-FLEET_DURATION = 8.0
+def test_host_time_fit_never_goes_negative():
+    seqs = [1, 2, 4, 8, 16]
+    falling = [1e-3 - 5e-5 * n for n in seqs]  # more sequences, less time: no part per sequence
+    stats, slept = steps(falling, seqs)
+    const, per_seq, _ = host_time(stats, slept)
+    assert per_seq == 0.0 and const == pytest.approx(np.mean(falling), abs=1e-15)
+    rising = [2e-5 * n for n in seqs]  # a fit through the origin: no constant
+    stats, slept = steps([e - 1e-4 for e in rising], seqs)
+    const, per_seq, _ = host_time(stats, slept)
+    assert const == 0.0 and per_seq > 0
+    assert host_time(*steps([5e-3], [1])) == (0.0, 0.0, 0.0)  # one step fits nothing
 
 
-@pytest.fixture(scope="module")
-def fleet_runs(tmp_path_factory):
-    model = emulated_latency_model(FLEET_TIME_SCALE)
-    tiers = default_tiers(model)
-    cfg = SimConfig(num_instances=FLEET_SIZE, reveal_output_len=True, shed_late=False)  # every request served
-    w = _workload(model, tiers, cfg, FLEET_RATE, FLEET_DURATION)
-    folder = write_emulated_model_folder(tmp_path_factory.mktemp("fleet"))
-
-    def replay():
-        return asyncio.run(replay_on_fleet(
-            w, FLEET_TIME_SCALE, FLEET_SIZE, folder, cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.max_prefill_chunk, model=model,
-            shed_late=cfg.shed_late))
-
-    return _compared(cfg, tiers, model, w, replay)
+class LinearModel:
+    def predict(self, p, d, k):
+        return 0.01 + 1e-4 * p + 1e-3 * d
 
 
-def test_fleet_every_request_served_by_both(fleet_runs):
-    w, live, sim = fleet_runs
-    assert live.failed == 0 and sim.served.all()
-    assert all(t is not None and len(t) == n for t, n in zip(live.token_times, w.output_lens))
-    assert sorted(live.steps) == [f"engine-{k}" for k in range(FLEET_SIZE)]  # the router used every engine
-    assert all(n > 100 for n in live.steps.values())
-
-
-def test_fleet_attainment_within_a_few_points(fleet_runs):
-    w, live, sim = fleet_runs
-    assert abs(attained(w, live.token_times).mean() - sim.attainment()) <= 0.05
-
-
-def test_fleet_latency_distributions_alike_per_tier(fleet_runs):
-    w, live, sim = fleet_runs
-    print(f"fleet replay: stall {live.stall_s:.3f} s of {live.wall_s:.1f} s, host time {live.step_overhead_s * 1e3:.2f} ms"
-          f" + {live.step_overhead_per_seq_s * 1e6:.1f} us per sequence")
-    for k, tier in enumerate(w.tiers):
-        idx = np.flatnonzero(w.tier_index == k)
-        times = [live.token_times[i] for i in idx]
-        live_ttft = np.array([t[0] - w.arrivals[i] for i, t in zip(idx, times)])
-        live_tpot = np.array([(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1])
-        sim_tpot = sim.mean_tpot[idx][~np.isnan(sim.mean_tpot[idx])]
-        assert np.percentile(sim_tpot, 50) == pytest.approx(np.percentile(live_tpot, 50), rel=0.15), tier.name
-        assert np.percentile(sim_tpot, 90) == pytest.approx(np.percentile(live_tpot, 90), rel=0.2), tier.name
-        assert np.percentile(sim.ttft[idx], 50) == pytest.approx(np.percentile(live_ttft, 50), rel=0.3), tier.name
-        assert np.percentile(sim.ttft[idx], 90) == pytest.approx(np.percentile(live_ttft, 90), rel=0.5), tier.name
+def test_simulator_adds_the_fitted_host_time_to_every_step():
+    """A lone request, prefill then decodes: each step takes the fitted host time (constant plus one sequence's)
+    on top of the model and of the config's own prediction error."""
+    tiers = TierSet([Tier("only", tpot_ms=1000.0, ttft_ms=10_000.0)])
+    w = Workload(np.array([0.0]), np.array([100]), np.array([6]), np.zeros(1, np.int8), tiers)
+    config = SimConfig(num_instances=1, router_policy="round-robin", reveal_output_len=True, record_token_times=True,
+                       prediction_error=PredictionError(host_s=1e-3))
+    fitted = EngineReplay([], 0, 0.0, step_overhead_s=2e-3, step_overhead_per_seq_s=5e-4)
+    nothing = dataclasses.replace(fitted, step_overhead_s=0.0, step_overhead_per_seq_s=0.0)
+    plain = simulated_with_host_time(config, tiers, LinearModel(), w, nothing).token_times[0]
+    added = simulated_with_host_time(config, tiers, LinearModel(), w, fitted).token_times[0]
+    per_step = 2e-3 + 5e-4  # one sequence in every step
+    np.testing.assert_allclose(np.diff(added), np.diff(plain) + per_step, rtol=0, atol=1e-12)
+    assert np.diff(plain) == pytest.approx(0.01 + 1e-3 + 1e-3, abs=1e-12)  # the model's decode plus the config's
+    assert added[0] == pytest.approx(plain[0] + per_step, abs=1e-12)

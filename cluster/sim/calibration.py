@@ -197,11 +197,12 @@ class FleetReplay:
 class _ReportKeepingService(RouterService):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.step_reports: defaultdict[str, list[protocol.StepReport]] = defaultdict(list)  # per instance, in order
+        # every step each instance reported, in order (a report tells of the steps since the previous one)
+        self.step_reports: defaultdict[str, list[protocol.StepTiming]] = defaultdict(list)
 
     def _on_message(self, link, msg) -> None:
         if isinstance(msg, protocol.StepReport):
-            self.step_reports[link.instance_id].append(msg)
+            self.step_reports[link.instance_id].extend(msg.steps)
         super()._on_message(link, msg)
 
 
@@ -238,7 +239,7 @@ async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: 
                        *host_time(reports, slept, lags))
 
 
-def _slept(step_reports: dict[str, list[protocol.StepReport]], model: LatencyModel, error: str,
+def _slept(step_reports: dict[str, list[protocol.StepTiming]], model: LatencyModel, error: str,
            step_seed: int) -> list[float]:
     """What each engine's executor slept for each of its reported steps, in `step_reports`' order: its StepTruth
     rebuilt as build_engine builds it (same model, preset and seed), asked for every step in turn, so that each

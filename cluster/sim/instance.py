@@ -17,6 +17,12 @@ distinct TPOT, not a loop over requests per step). The run's steps are drawn fro
 when a run is cut short, the steps laid out past the cut are given back to it (`StepTruth.rewind`), so every step
 gets the same time as when drawn one by one. `fast_forward=False` asks the policy every step; the tests check the
 two give identical results.
+
+Coalesced reports (`report_every` > 1): the instance keeps what its worker would last have sent under
+cluster/step_reports.py's rule (`report`): a report at the end of a step where a resident joined or left, emitted
+its first token or was preempted, and otherwise after `report_every` steps held. Within a decode run every resident
+gains one token a step, so a report sent at a step the run applied later is the residents as they are, that many
+tokens back.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Callable
 
+from cluster.protocol import Resident
 from scheduler.headroom import ON_TIME, Headroom
 from scheduler.latency_model import LearningLatencyModel
 from scheduler.prediction_error import StepTruth
@@ -96,6 +103,15 @@ class SimRequest:
             self.worst_lateness = late
 
 
+@dataclass(slots=True, frozen=True)
+class HeardReport:
+    """What the router would have heard last of an instance reporting coalesced: sent after step `num_steps`."""
+    num_steps: int
+    iteration_end: float
+    num_blocks_used: int
+    residents: list[Resident]
+
+
 @dataclass(slots=True)
 class MissTally:
     """Requests (of a measured window) that have missed their SLO so far: a run can stop once too many have."""
@@ -113,11 +129,18 @@ class SimInstance:
                  headroom: Headroom, num_blocks: int, block_size: int,
                  schedule_event: Callable[["SimInstance", float], None],
                  on_finish: Callable[["SimInstance", list[SimRequest], float], None], fast_forward: bool = True,
-                 instance_id: str = ""):
+                 instance_id: str = "", report_every: int = 1):
         """`truth` gives every step's time; as the engine does, the instance feeds each measured step to
-        `latency_model` and each request's outcome to `headroom` (what its policy plans with, if it plans)."""
+        `latency_model` and each request's outcome to `headroom` (what its policy plans with, if it plans).
+        `report_every` > 1: keep `report`, what a worker coalescing its reports so would last have sent."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        if report_every < 1:
+            raise ValueError(f"report_every must be positive, got {report_every}")
+        self.report_every = report_every
+        self.report: HeardReport | None = None
+        self._held = 0  # steps since `report` was sent
+        self._material = False  # a resident joined or was preempted since `report` was sent
         self.index, self.policy, self.truth = index, policy, truth
         self.latency_model, self.headroom = latency_model, headroom
         self._unreported: list[StepStats] = []  # measured steps the router has not been told of
@@ -159,9 +182,14 @@ class SimInstance:
         if self.state == RUN:
             self._apply_run_until(now)
 
-    def take_unreported_steps(self) -> list[StepStats]:
-        """The steps measured since the last call, oldest first."""
-        steps, self._unreported = self._unreported, []
+    def take_unreported_steps(self, through: int | None = None) -> list[StepStats]:
+        """The steps measured since the last call, oldest first; with `through`, only those up to that step (a
+        count of `num_steps`)."""
+        if through is None or through == self.num_steps:
+            steps, self._unreported = self._unreported, []
+            return steps
+        n = len(self._unreported) - (self.num_steps - through)
+        steps, self._unreported = self._unreported[:n], self._unreported[n:]
         return steps
 
     # ---- driven by the simulator ----------------------------------------------------------------------------
@@ -169,6 +197,7 @@ class SimInstance:
         if self.state == RUN:
             self._cut_run(now)  # the next step boundary must see the newcomer
         insort(self.waiting, req, key=_arrival)
+        self._material = True
         if self.state == IDLE:
             self._set_event(now)  # at `now`, after every other arrival at `now` (the simulator orders them so)
 
@@ -221,6 +250,8 @@ class SimInstance:
         if not items:
             # nothing fits: the live engine would spin until something changes; here the next placement wakes it
             self.state, self.event_time = IDLE, math.inf
+            if self._held:  # the worker's next heartbeat sends what it held
+                self._send_report()
             return
         self._admit_newcomers(items)
         if (self.fast_forward and num_decode == len(items) == len(self.running) and not self.waiting
@@ -250,6 +281,7 @@ class SimInstance:
         req.num_blocks = req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self._material = True
         if req in self.running:
             self.running.remove(req)
             insort(self.waiting, req, key=_arrival)
@@ -257,19 +289,42 @@ class SimInstance:
     def _finish_step(self, t: float) -> None:
         finished = []
         note_token = self.headroom.note_token
+        material = self._material
         for req, n in self._items:
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:
                 first = req.num_output_tokens == 0
+                material |= first
                 req.standing = note_token(req.standing, first, req.emit(t) > 0)
                 if req.num_output_tokens >= req.output_len:
                     finished.append(req)
         self._items = []
         self._record_step(self._step_start, t - self._step_start, *self._step_shape)
         if finished:
-            self._retire(finished, t)
+            self._release(finished)
+            self._step_reported(True)
+            self.on_finish(self, finished, t)
+        else:
+            self._step_reported(material)
 
-    def _retire(self, finished: list[SimRequest], t: float) -> None:
+    def _step_reported(self, material: bool) -> None:
+        """One more step: sent now under the rule, or held."""
+        if self.report_every == 1:
+            return  # a report every step: the simulator reads the instance as it is
+        self._held += 1
+        if material or self._held >= self.report_every:
+            self._send_report()
+
+    def _send_report(self, behind: int = 0) -> None:
+        """The report sent after the step `behind` steps of a decode run before the newest applied."""
+        self._held, self._material = 0, False
+        self.report = HeardReport(
+            self.num_steps - behind, self.last_end if not behind else self._ends[self._run_applied - 1 - behind],
+            self.num_total_blocks - self.free_blocks,
+            [Resident(r.request_id, r.num_prompt_tokens, r.num_computed_tokens - behind, r.num_output_tokens - behind)
+             for group in (self.running, self.waiting) for r in group])
+
+    def _release(self, finished: list[SimRequest]) -> None:
         gone = set()
         for req in finished:
             self.headroom.note_finished(req.standing)
@@ -277,7 +332,6 @@ class SimInstance:
             req.num_blocks = 0
             gone.add(id(req))
         self.running = [r for r in self.running if id(r) not in gone]
-        self.on_finish(self, finished, t)
 
     def _record_step(self, start: float, duration: float, num_prefill_tokens: int, num_decode_seqs: int,
                      num_kv_tokens: int, num_seqs: int) -> None:
@@ -400,6 +454,17 @@ class SimInstance:
             prev = ends[j]
             kv += b
         self._run_applied = k
+        if self.report_every > 1:
+            sent = None
+            for j in range(a, k):
+                self._held += 1
+                if self._material or self._held >= self.report_every:
+                    self._held, self._material = 0, False
+                    sent = j
+            if sent is not None:
+                held = self._held
+                self._send_report(k - 1 - sent)
+                self._held = held
 
     def _end_run(self, t: float) -> None:
         """The run's last step ended at t: its finishers leave."""
@@ -407,7 +472,10 @@ class SimInstance:
         self.state = IDLE
         self._ends = []
         if finished:
-            self._retire(finished, t)
+            self._release(finished)
+            if self.report_every > 1:
+                self._send_report()
+            self.on_finish(self, finished, t)
 
     def _cut_run(self, now: float) -> None:
         """A request arrives mid-run: the step in flight becomes a regular step, and the policy decides the next."""

@@ -8,7 +8,9 @@ It is what cluster/service.py does with messages, done with method calls:
   step loop there); queued, it waits in the router; refused (queue full, no instance), it counts as not attained;
 - after each engine step the router gets the instance's report (`on_report`), sent lazily: just before the router
   decides anything, for every instance that stepped since its last report; the router only ever reads the latest
-  report, so it sees exactly what it would have seen from one report per step;
+  report, so it sees exactly what it would have seen from one report per step; with `report_every_steps` > 1 it
+  hears what workers coalescing their reports so would have sent last (cluster/step_reports.py's rule), and of
+  the steps since, nothing yet;
 - a finish is `router.on_finished`, then `retry_queued`; a periodic tick (the service's 50 ms) retries the queues
   and asks the autoscaler for a plan: instances it starts are ready after `cold_start_s`, the ones it stops drain
   first and are removed once empty.
@@ -57,6 +59,9 @@ class SimConfig:
     max_prefill_chunk: int = 2048  # PolyServe's chunk cap; the static budget of FCFS and EDF
     queue_limit: int = 256
     shed_late: bool = True  # the router gives up a queued request that can no longer be on time (Router)
+    # the most steps an instance's report is held back while nothing placement depends on changed, as the worker's
+    # --report-every-steps (cluster/step_reports.py); 1: a report every step
+    report_every_steps: int = 1
     tick_s: float = 0.05
     fast_forward: bool = True
     # how every step's true time departs from the model's prediction (host time, bias, noise, stalls); the router
@@ -80,6 +85,8 @@ class SimConfig:
                              f"prediction_error resolves a preset name), got {self.prediction_error!r}")
         if self.max_prefill_chunk > self.max_num_batched_tokens:
             raise ValueError("max_prefill_chunk cannot exceed max_num_batched_tokens")
+        if self.report_every_steps < 1:
+            raise ValueError(f"report_every_steps must be positive, got {self.report_every_steps}")
 
     @property
     def kv_blocks(self) -> int:
@@ -181,7 +188,7 @@ class Simulator:
         headroom = Headroom()
         inst = SimInstance(index, self.policy_factory(learned, headroom), truth, learned, headroom, cfg.kv_blocks,
                            cfg.block_size, self._push_step_event, self._on_finish, fast_forward=cfg.fast_forward,
-                           instance_id=instance_id)
+                           instance_id=instance_id, report_every=cfg.report_every_steps)
         self._by_index.append(inst)
         self.instances[instance_id] = inst
         self._reported.append(-1)
@@ -355,6 +362,16 @@ class Simulator:
     def _sync_reports(self, now: float) -> None:
         """Every instance that stepped since its last report reports now (see the module docstring)."""
         router, reported = self.router, self._reported
+        if self.config.report_every_steps > 1:
+            for inst in self._by_index:
+                inst.sync(now)
+                heard = inst.report
+                if heard is not None and heard.num_steps != reported[inst.index]:
+                    reported[inst.index] = heard.num_steps
+                    router.on_report(inst.instance_id, InstanceReport(
+                        heard.iteration_end, heard.num_blocks_used, heard.residents,
+                        inst.take_unreported_steps(heard.num_steps)), now)
+            return
         for inst in self._by_index:
             if inst.state == IDLE and inst.num_steps == reported[inst.index]:
                 continue

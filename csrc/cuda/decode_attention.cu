@@ -5,8 +5,9 @@
 //     share a KV head read each K/V row once;
 //   * kLanes threads share one key: each holds a 16-byte slice of the key's row, so a warp's loads are whole,
 //     coalesced rows; the block has kThreads / kLanes key groups walking the keys in an interleaved order;
-//   * every iteration first issues kUnroll keys' K and V loads, then does the arithmetic, so several 16-byte
-//     loads per thread are in flight at once;
+//   * keys go in batches of kUnroll per key group, and a batch's registers are refilled with the next batch's
+//     rows as soon as they are consumed (K after the scores, V after the products), so loads are in flight
+//     while the arithmetic runs instead of each iteration waiting for its own;
 //   * each key group keeps its own online-softmax state (max, sum, output slice, log2 domain); the groups are
 //     merged through shared memory at the end, and splits by merge_splits_kernel.
 #include <cuda_bf16.h>
@@ -52,7 +53,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kLanes = kHeadDim / kVec;
   constexpr int kGroups = kThreads / kLanes;
-  constexpr int kUnroll = kHeads >= 8 ? 2 : 4;  // bounds the registers held by q, acc and the staged loads
+  // Bounds the registers held by q, acc and the staged loads (with the prefetch a batch's rows stay live through
+  // the whole iteration, so the batches are half what an unpipelined loop could afford at the same occupancy).
+  constexpr int kUnroll = kHeads >= 8 ? 1 : 2;
   static_assert(kLanes <= 32 && 32 % kLanes == 0, "a key's lanes must sit inside one warp");
 
   const int seq = blockIdx.x;
@@ -97,24 +100,32 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   const T* k_base = static_cast<const T*>(p.k_cache) + kv_head * p.k_stride_head + lane * kVec;
   const T* v_base = static_cast<const T*>(p.v_cache) + kv_head * p.v_stride_head + lane * kVec;
 
-  // The trip count depends only on (lo, hi), the same for the whole block, so every lane reaches every shuffle.
-  for (int base = lo; base < hi; base += kGroups * kUnroll) {
-    uint4 k_raw[kUnroll], v_raw[kUnroll];
-    bool valid[kUnroll];
+  // One batch of keys: kUnroll rows per key group, a 16-byte slice of each per lane (zeros past `hi`).
+  auto load_rows = [&](const T* rows, int64_t stride_block, int64_t stride_slot, int first_key,
+                       uint4 (&raw)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int key = base + u * kGroups + key_group;
-      valid[u] = key < hi;
-      if (valid[u]) {
+      const int key = first_key + u * kGroups + key_group;
+      if (key < hi) {
         const int64_t block = table[key / p.block_size];
-        const int64_t slot = key % p.block_size;
-        k_raw[u] = *reinterpret_cast<const uint4*>(k_base + block * p.k_stride_block + slot * p.k_stride_slot);
-        v_raw[u] = *reinterpret_cast<const uint4*>(v_base + block * p.v_stride_block + slot * p.v_stride_slot);
+        raw[u] = *reinterpret_cast<const uint4*>(rows + block * stride_block + (key % p.block_size) * stride_slot);
       } else {
-        k_raw[u] = make_uint4(0, 0, 0, 0);
-        v_raw[u] = make_uint4(0, 0, 0, 0);
+        raw[u] = make_uint4(0, 0, 0, 0);
       }
     }
+  };
+  uint4 k_raw[kUnroll], v_raw[kUnroll];
+  load_rows(k_base, p.k_stride_block, p.k_stride_slot, lo, k_raw);
+  load_rows(v_base, p.v_stride_block, p.v_stride_slot, lo, v_raw);
+
+  // The trip count depends only on (lo, hi), the same for the whole block, so every lane reaches every shuffle.
+  // Each batch's registers are refilled with the next batch's rows as soon as they are consumed: K after the
+  // scores, V after the products, so the next loads are in flight while this batch's arithmetic runs.
+  for (int base = lo; base < hi; base += kGroups * kUnroll) {
+    const int next = base + kGroups * kUnroll;
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) valid[u] = base + u * kGroups + key_group < hi;
 
     float scores[kUnroll][kHeads];
 #pragma unroll
@@ -131,6 +142,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
         scores[u][h] = valid[u] ? dot : -INFINITY;
       }
     }
+    load_rows(k_base, p.k_stride_block, p.k_stride_slot, next, k_raw);
 
 #pragma unroll
     for (int h = 0; h < kHeads; ++h) {
@@ -157,6 +169,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
         for (int i = 0; i < kVec; ++i) acc[h][i] = fmaf(prob, v_vals[i], acc[h][i]);
       }
     }
+    load_rows(v_base, p.v_stride_block, p.v_stride_slot, next, v_raw);
   }
 
   __shared__ float shared_m[kGroups][kHeads];

@@ -50,7 +50,8 @@ class Attention(nn.Module):
         self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = self.ops.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                                      ctx.query_start_loc, self.scale, max_query_len=ctx.max_query_len,
-                                     max_seq_len=ctx.max_seq_len, num_splits=ctx.num_splits)
+                                     max_seq_len=ctx.max_seq_len, num_splits=ctx.num_splits,
+                                     num_decodes=ctx.num_decodes)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -88,9 +89,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
-        freqs = torch.outer(positions, cfg.rope_inv_freq())
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
+        self.register_buffer("cos_sin_cache", rotary_cos_sin_cache(cfg), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of every token of the flattened batch."""
@@ -105,3 +104,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.logits_weight()).float()
+
+
+def rotary_cos_sin_cache(cfg: ModelConfig) -> torch.Tensor:
+    """[max_position_embeddings, head_dim] float32, on the default device: the cosines of every position times
+    every rotary frequency in the first half of each row, the sines in the second (computed in float64)."""
+    positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
+    freqs = torch.outer(positions, cfg.rope_inv_freq())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()

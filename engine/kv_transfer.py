@@ -1,0 +1,269 @@
+"""Hand-off of one request from a prefill engine to a decode engine: its state and its prompt's KV blocks.
+
+A prefill engine (`EngineConfig.role`) stops a request once it has sampled the first token and holds its blocks;
+`Engine.handoff` describes it (`Handoff`: the request's state, the KV layout and how many blocks hold the prompt),
+`Engine.export_kv` streams the blocks as frames, and `Engine.release_handoff` frees them once the decode side has
+them. A decode engine reserves blocks for the request first (`Engine.reserve_import`, refused when they are not
+free), feeds the frames to the `KvReceiver` it got, which stages and verifies them in host memory, and applies them
+only when the whole transfer is in and every checksum holds (`Engine.finish_import`); anything else leaves its KV
+cache untouched and `Engine.cancel_import` gives the reservation back.
+
+The decode side pulls: it names the first block it needs (the leading blocks its own prefix cache already holds
+are not sent again). The stream is `KvBegin`, then `KvChunk`s of at most `max_chunk_bytes` in order, then `KvEnd`.
+The payload is the blocks one after another, each block all layers' K then V (`[layers, 2, block_size, kv heads,
+head dim]` in the cache's dtype), so a sender can start on the first blocks while later ones are still being read.
+Each chunk carries the CRC-32 of its bytes and the end a CRC-32 over those, in order.
+
+The frames are msgspec structs, tagged with `KV_WIRE_VERSION` as the cluster protocol's frames are with theirs, so
+a transport can carry them as they are (`encode_frame` / `decode_frame`). They live here, below the cluster,
+because the engine produces and checks them itself: an in-process transport needs no cluster code.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Iterator, Union
+
+import msgspec
+import numpy as np
+import torch
+
+from engine.model_config import DTYPES
+from engine.sampler import TopLogprobs
+from engine.sampling_params import SamplingParams
+from scheduler.slo import SLO
+
+KV_WIRE_VERSION = 1
+MAX_CHUNK_BYTES = 1 << 20
+
+
+class KvTransferError(Exception):
+    """A hand-off that cannot be applied: a frame out of order, a checksum that does not hold, a cut-short stream,
+    a layout this engine cannot take. Nothing of it was applied."""
+
+
+class KvImportRefused(KvTransferError):
+    """The decode engine has not the free blocks for the request now: nothing was transferred; try another engine
+    or later."""
+
+
+def _tag(name: str) -> str:
+    return f"{name}.{KV_WIRE_VERSION}"
+
+
+class _Frame(msgspec.Struct, array_like=True, tag_field="type", forbid_unknown_fields=True):
+    pass
+
+
+class KvLayout(msgspec.Struct, array_like=True, frozen=True):
+    """The shape of one KV block. An engine that runs no model (the emulated executor) has no KV: zero layers."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor | None, block_size: int) -> "KvLayout":
+        """The layout of an executor's cache `[layers, 2, blocks, block_size, kv heads, head dim]`, or None's."""
+        if kv_cache is None:
+            return cls(0, 0, 0, block_size, "none")
+        layers, _, _, size, heads, dim = kv_cache.shape
+        name = next(n for n, d in DTYPES.items() if d == kv_cache.dtype)
+        return cls(layers, heads, dim, size, name)
+
+    @property
+    def block_bytes(self) -> int:
+        if self.num_layers == 0:
+            return 0
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+
+
+class Handoff(_Frame, tag=_tag("kv_handoff")):
+    """Everything a decode engine needs to continue a request but its KV. Times are on the prefill engine's clock."""
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    params: SamplingParams
+    slo: SLO
+    tier: str
+    arrival: float
+    first_token_time: float
+    first_scheduled_time: float | None
+    num_cached_tokens: int
+    standing: int  # the headroom's reading of the request so far (`scheduler.headroom`)
+    layout: KvLayout
+    num_blocks: int  # blocks holding the prompt's KV: ceil(prompt tokens / block size)
+    first_logprob: float | None = None
+    first_top_logprobs: TopLogprobs | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
+
+
+class KvBegin(_Frame, tag=_tag("kv_begin")):
+    request_id: str
+    layout: KvLayout
+    first_block: int  # the prompt's blocks first_block .. num_blocks - 1 follow
+    num_blocks: int
+    total_bytes: int
+    num_chunks: int
+
+
+class KvChunk(_Frame, tag=_tag("kv_chunk")):
+    request_id: str
+    index: int
+    data: bytes
+    crc32: int
+
+
+class KvEnd(_Frame, tag=_tag("kv_end")):
+    request_id: str
+    num_chunks: int
+    crc32: int  # CRC-32 of the chunks' CRC-32s in order (`_chain`): with each chunk's own, it covers the payload
+
+
+KvFrame = Union[Handoff, KvBegin, KvChunk, KvEnd]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KvFrame)
+
+
+def encode_frame(frame: KvFrame) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode_frame(payload: bytes) -> KvFrame:
+    """The frame `payload` encodes; KvTransferError when it is none of this version's."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as e:
+        raise KvTransferError(f"not a KV hand-off frame of version {KV_WIRE_VERSION}: {e}") from None
+
+
+def _chain(crc: int, chunk_crc: int) -> int:
+    """The end checksum so far, `crc`, followed by one more chunk's. A CRC of the chunks' CRCs rather than of the
+    payload again: each byte is checksummed once on either side."""
+    return zlib.crc32(chunk_crc.to_bytes(4, "big"), crc)
+
+
+def read_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> np.ndarray:
+    """The blocks' KV as one host byte array, block after block (the payload's order). On the CPU through numpy,
+    whose strided copies of these slices are many times faster than torch's."""
+    raw = kv_cache.view(torch.uint8)
+    if raw.device.type == "cpu":
+        cache = raw.numpy()
+        return np.stack([cache[:, :, b] for b in block_ids]).reshape(-1)
+    return torch.stack([raw[:, :, b] for b in block_ids]).cpu().numpy().reshape(-1)
+
+
+def write_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.Tensor) -> None:
+    """The inverse of `read_blocks`: host bytes into the cache's blocks."""
+    raw = kv_cache.view(torch.uint8)
+    blocks = payload.reshape(len(block_ids), *raw[:, :, 0].shape)
+    if raw.device.type == "cpu":
+        cache, values = raw.numpy(), blocks.numpy()
+        for i, b in enumerate(block_ids):
+            cache[:, :, b] = values[i]
+        return
+    for b, values in zip(block_ids, blocks.to(raw.device)):
+        raw[:, :, b].copy_(values)
+
+
+def stream_blocks(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
+                  first_block: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[KvBegin | KvChunk | KvEnd]:
+    """The frames of blocks `block_ids[first_block:]`, read from the cache as the chunks need them (a consumer that
+    stops early leaves the rest unread). A chunk holds whole blocks when a block fits in one, else a block's part;
+    no chunk spans two reads, so the bytes are copied once, from the read blocks into the chunk."""
+    if max_chunk_bytes < 1:
+        raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
+    if not 0 <= first_block <= len(block_ids):
+        raise ValueError(f"first_block must lie in [0, {len(block_ids)}], got {first_block}")
+    return _frames(request_id, kv_cache, layout, block_ids, first_block, max_chunk_bytes)
+
+
+def _frames(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
+            first_block: int, max_chunk_bytes: int) -> Iterator[KvBegin | KvChunk | KvEnd]:
+    wanted = block_ids[first_block:] if layout.block_bytes else []
+    per_read = max(1, max_chunk_bytes // max(1, layout.block_bytes))  # blocks read at once
+    reads = [wanted[i:i + per_read] for i in range(0, len(wanted), per_read)]
+    num_chunks = sum(-(-len(r) * layout.block_bytes // max_chunk_bytes) for r in reads)
+    yield KvBegin(request_id, layout, first_block, len(block_ids), len(wanted) * layout.block_bytes, num_chunks)
+    crc = index = 0
+    for read in reads:
+        view = memoryview(read_blocks(kv_cache, read))
+        for start in range(0, len(view), max_chunk_bytes):
+            data = bytes(view[start:start + max_chunk_bytes])
+            chunk_crc = zlib.crc32(data)
+            crc = _chain(crc, chunk_crc)
+            yield KvChunk(request_id, index, data, chunk_crc)
+            index += 1
+    yield KvEnd(request_id, index, crc)
+
+
+class KvReceiver:
+    """One incoming transfer into a decode engine's reserved blocks. `receive` takes the frames in order and checks
+    them as they come; the payload waits in host memory until `Engine.finish_import`. It touches no engine state,
+    so a transport may feed it off the engine's thread."""
+
+    def __init__(self, handoff: Handoff, seq_id: int, block_ids: list[int], first_block: int):
+        self.handoff, self.seq_id = handoff, seq_id
+        self.block_ids = block_ids  # the reserved blocks of the prompt, the cached leading ones included
+        self.first_block = first_block  # the first block to pull: those before it are prefix-cache hits here
+        self.total_bytes = (handoff.num_blocks - first_block) * handoff.layout.block_bytes
+        self.payload = torch.empty(self.total_bytes, dtype=torch.uint8)
+        self._begun = self.complete = False
+        self._received = self._num_chunks = self._next_index = self._crc = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.handoff.request_id
+
+    def receive(self, frame: KvBegin | KvChunk | KvEnd) -> None:
+        """KvTransferError when the frame does not continue this transfer as it must."""
+        if self.complete:
+            raise KvTransferError(f"request {self.request_id!r}: a frame after the transfer ended")
+        if getattr(frame, "request_id", None) != self.request_id:
+            raise KvTransferError(f"request {self.request_id!r}: a frame of another request "
+                                  f"({getattr(frame, 'request_id', None)!r})")
+        if isinstance(frame, KvBegin):
+            self._begin(frame)
+        elif not self._begun:
+            raise KvTransferError(f"request {self.request_id!r}: {type(frame).__name__} before KvBegin")
+        elif isinstance(frame, KvChunk):
+            self._chunk(frame)
+        elif isinstance(frame, KvEnd):
+            self._end(frame)
+        else:
+            raise KvTransferError(f"request {self.request_id!r}: unexpected frame {type(frame).__name__}")
+
+    def _begin(self, begin: KvBegin) -> None:
+        if self._begun:
+            raise KvTransferError(f"request {self.request_id!r}: a second KvBegin")
+        expected = (self.handoff.layout, self.first_block, self.handoff.num_blocks, self.total_bytes)
+        got = (begin.layout, begin.first_block, begin.num_blocks, begin.total_bytes)
+        if got != expected:
+            raise KvTransferError(f"request {self.request_id!r}: KvBegin announces (layout, first block, blocks, "
+                                  f"bytes) {got}, the reservation expects {expected}")
+        self._num_chunks, self._begun = begin.num_chunks, True
+
+    def _chunk(self, chunk: KvChunk) -> None:
+        index, data = chunk.index, chunk.data
+        if index != self._next_index:
+            raise KvTransferError(f"request {self.request_id!r}: chunk {index} where chunk {self._next_index} "
+                                  f"was due")
+        if zlib.crc32(data) != chunk.crc32:
+            raise KvTransferError(f"request {self.request_id!r}: chunk {index} fails its checksum")
+        end = self._received + len(data)
+        if end > self.total_bytes or index >= self._num_chunks:
+            raise KvTransferError(f"request {self.request_id!r}: chunk {index} runs past the announced "
+                                  f"{self.total_bytes} bytes in {self._num_chunks} chunks")
+        self.payload.numpy()[self._received:end] = np.frombuffer(data, dtype=np.uint8)
+        self._received, self._crc = end, _chain(self._crc, chunk.crc32)
+        self._next_index += 1
+
+    def _end(self, end: KvEnd) -> None:
+        if self._next_index != self._num_chunks or end.num_chunks != self._num_chunks \
+                or self._received != self.total_bytes:
+            raise KvTransferError(f"request {self.request_id!r}: transfer cut short: {self._next_index} of "
+                                  f"{self._num_chunks} chunks, {self._received} of {self.total_bytes} bytes")
+        if end.crc32 != self._crc:
+            raise KvTransferError(f"request {self.request_id!r}: the payload fails its checksum")
+        self.complete = True

@@ -1,0 +1,285 @@
+"""Prefill/decode roles: a prefill engine hands each request's first token and prompt KV to a decode engine through
+the hand-off frames (encoded to bytes and back), and the decode engine continues it token for token as a co-located
+engine does. A transfer that is corrupt, cut short or has nowhere to go is refused whole, and no block leaks."""
+from __future__ import annotations
+
+import zlib
+
+import msgspec
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kv_transfer import KvChunk, KvEnd, KvImportRefused, KvTransferError, decode_frame, \
+    encode_frame
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# a small step budget: a 45-token prompt takes seven steps
+ENGINE = dict(num_kv_blocks=48, max_num_batched_tokens=7, batch_policy="fcfs", block_size=8)
+
+
+def random_prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def wire(frames):
+    """Frames as a socket would carry them: encoded to bytes and decoded again."""
+    return [decode_frame(encode_frame(f)) for f in frames]
+
+
+def run(engine) -> dict:
+    """Steps until idle; every request's outputs in order."""
+    outs: dict = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+class Pair:
+    """A prefill and a decode engine, and the in-process hand-off between them."""
+
+    def __init__(self, folder: str, decode_blocks: int | None = None, **config):
+        self.prefill = LLM(folder, role="prefill", **config).engine
+        decode_config = config if decode_blocks is None else {**config, "num_kv_blocks": decode_blocks}
+        self.decode = LLM(folder, role="decode", **decode_config).engine
+        self.free = self.free_counts()
+        self.receivers = []
+
+    def free_counts(self) -> tuple[int, int]:
+        return self.prefill.blocks.num_free_blocks(), self.decode.blocks.num_free_blocks()
+
+    def generate(self, prompts, params: SamplingParams, max_chunk_bytes: int = 1000) -> dict:
+        """Every prompt through both engines; per request its outputs on the prefill side then the decode side."""
+        ids = [f"r{len(self.receivers)}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.prefill.add_request(rid, prompt, params)
+        outs = run(self.prefill)
+        for rid in ids:
+            if outs[rid][-1].finish_reason != "prefilled":
+                continue
+            handoff = decode_frame(encode_frame(self.prefill.handoff(rid)))
+            receiver = self.decode.reserve_import(handoff)
+            self.receivers.append(receiver)
+            for frame in wire(self.prefill.export_kv(rid, receiver.first_block, max_chunk_bytes)):
+                receiver.receive(frame)
+            self.decode.finish_import(receiver)
+            self.prefill.release_handoff(rid)
+        for rid, later in run(self.decode).items():
+            outs[rid] += later
+        return {rid: outs[rid] for rid in ids}
+
+
+def colocated(folder: str, prompts, params: SamplingParams, **config):
+    return LLM(folder, **config).generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def pair(llama_tiny):
+    pair = Pair(llama_tiny[0], **ENGINE)
+    yield pair
+    assert pair.free_counts() == pair.free, "blocks leaked"
+
+
+def test_greedy_handoff_equals_colocated_over_many_chunks_with_prefix_hits(llama_tiny, pair):
+    vocab = llama_tiny[1].config.vocab_size
+    first, other = random_prompts(vocab, [45, 30])
+    # the third shares the first's leading 40 tokens: a prefix-cache hit on both sides
+    prompts = [first, other, first[:40] + random_prompts(vocab, [9], seed=7)[0]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2)
+    want = colocated(llama_tiny[0], prompts, params, **ENGINE)
+    got = pair.generate(prompts[:2], params) | pair.generate(prompts[2:], params)
+    prefill_steps = [s.num_prefill_tokens for s in pair.prefill.step_stats]
+    assert max(prefill_steps) <= 7 and len(prefill_steps) >= (45 + 30) // 7
+    assert any(s.num_decode_seqs for s in pair.decode.step_stats)
+    for ref, outs in zip(want, got.values()):
+        head, last = outs[0], outs[-1]
+        assert head.finish_reason == "prefilled" and head.token_ids == ref.token_ids[:1]
+        assert last.finish_reason == ref.finish_reason == "length"
+        assert last.token_ids == ref.token_ids
+        assert last.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        assert [t for t, _ in last.top_logprobs[0]] == [t for t, _ in ref.top_logprobs[0]]
+        assert [t for o in outs for t in o.new_token_ids] == ref.token_ids  # the stream is the whole output once
+        assert last.first_token_time == head.first_token_time
+    shared = list(got.values())[2]
+    assert shared[0].num_cached_tokens == 40 == shared[-1].num_cached_tokens
+    assert pair.receivers[-1].first_block == 40 // ENGINE["block_size"]  # not sent again
+
+
+def test_seeded_sampling_continues_as_colocated(llama_tiny, pair):
+    prompts = random_prompts(llama_tiny[1].config.vocab_size, [19, 8], seed=3)
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True)
+    want = colocated(llama_tiny[0], prompts, params, **ENGINE)
+    got = pair.generate(prompts, params)
+    assert [outs[-1].token_ids for outs in got.values()] == [ref.token_ids for ref in want]
+    greedy = colocated(llama_tiny[0], prompts, GREEDY, **ENGINE)
+    assert [ref.token_ids[:12] for ref in want] != [ref.token_ids for ref in greedy]  # it did sample
+
+
+def test_the_decode_side_decodes_from_the_imported_kv(llama_tiny):
+    """A payload altered under valid checksums changes the continuation: the imported KV is what decodes (a
+    fresh pair, so that the altered blocks reach no cache another test reads)."""
+    prompt = random_prompts(llama_tiny[1].config.vocab_size, [33], seed=4)[0]
+    honest = colocated(llama_tiny[0], [prompt], GREEDY, **ENGINE)[0].token_ids
+    pair = Pair(llama_tiny[0], **ENGINE)
+    pair.prefill.add_request("tampered", prompt, GREEDY)
+    run(pair.prefill)
+    receiver = pair.decode.reserve_import(pair.prefill.handoff("tampered"))
+    assert receiver.first_block == 0
+    begin, *chunks, _ = pair.prefill.export_kv("tampered", 0)
+    payload = b"".join(c.data for c in chunks)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.float32) * -1.0).numpy().tobytes()
+    crc = zlib.crc32(data)  # the end's checksum is the CRC of the chunks' CRCs
+    for frame in (msgspec.structs.replace(begin, num_chunks=1), KvChunk("tampered", 0, data, crc),
+                  KvEnd("tampered", 1, zlib.crc32(crc.to_bytes(4, "big")))):
+        receiver.receive(frame)
+    pair.decode.finish_import(receiver)
+    pair.prefill.release_handoff("tampered")
+    tampered = run(pair.decode)["tampered"][-1].token_ids
+    assert tampered[0] == honest[0] and tampered != honest
+    assert pair.free_counts() == pair.free
+
+
+def corrupt_flip(frames):
+    chunk = next(i for i, f in enumerate(frames) if isinstance(f, KvChunk) and f.index == 1)
+    data = bytearray(frames[chunk].data)
+    data[5] ^= 0x40
+    frames[chunk] = KvChunk(frames[chunk].request_id, 1, bytes(data), frames[chunk].crc32)
+    return frames
+
+
+def corrupt_checksum_of_all(frames):
+    end = frames[-1]
+    frames[-1] = KvEnd(end.request_id, end.num_chunks, end.crc32 ^ 1)
+    return frames
+
+
+@pytest.mark.parametrize("damage, message", [
+    (corrupt_flip, "chunk 1 fails its checksum"),
+    (lambda frames: frames[:-1], "not complete"),  # the end never came
+    (lambda frames: frames[:2] + frames[3:], "chunk 2 where chunk 1 was due"),  # a chunk lost
+    (lambda frames: frames[:-2] + frames[-1:], "cut short"),  # the last chunk lost
+    (corrupt_checksum_of_all, "payload fails its checksum"),
+    (lambda frames: frames[1:], "KvChunk before KvBegin"),
+])
+def test_a_damaged_transfer_is_refused_whole(llama_tiny, pair, damage, message):
+    prompt = random_prompts(llama_tiny[1].config.vocab_size, [37], seed=5)[0]
+    pair.prefill.add_request("damaged", prompt, GREEDY)
+    run(pair.prefill)
+    decode_free = pair.decode.blocks.num_free_blocks()
+    sent = []
+
+    def pull(first_block):
+        sent.extend(wire(pair.prefill.export_kv("damaged", first_block, max_chunk_bytes=256)))
+        return damage(list(sent))
+
+    with pytest.raises(KvTransferError, match=message):
+        pair.decode.import_request(pair.prefill.handoff("damaged"), pull)
+    assert sum(isinstance(f, KvChunk) for f in sent) > 3
+    assert all(len(f.data) <= 256 for f in sent if isinstance(f, KvChunk))
+    assert pair.decode.blocks.num_free_blocks() == decode_free
+    assert "damaged" not in pair.decode.requests and not pair.decode.imports
+    # the prefill side still holds it: a retry succeeds
+    request = pair.decode.import_request(pair.prefill.handoff("damaged"),
+                                         lambda first: wire(pair.prefill.export_kv("damaged", first)))
+    pair.prefill.release_handoff("damaged")
+    assert run(pair.decode)["damaged"][-1].token_ids[:1] == request.output_token_ids[:1]
+
+
+def test_a_full_decode_engine_refuses_before_any_transfer(llama_tiny):
+    folder = llama_tiny[0]
+    pair = Pair(folder, decode_blocks=8, **ENGINE)
+    long, short = random_prompts(llama_tiny[1].config.vocab_size, [50, 20], seed=6)
+    pair.prefill.add_request("long", long, GREEDY)
+    pair.prefill.add_request("short", short, GREEDY)
+    run(pair.prefill)
+    pair.decode.import_request(pair.prefill.handoff("long"), lambda first: pair.prefill.export_kv("long", first))
+    pair.prefill.release_handoff("long")  # 7 of 8 blocks taken on the decode side
+    handoff = pair.prefill.handoff("short")
+    assert not pair.decode.can_import(handoff)
+    free = pair.decode.blocks.num_free_blocks()
+    pulled = []
+    with pytest.raises(KvImportRefused, match="needs 3 KV blocks, 1 are free"):
+        pair.decode.import_request(handoff, lambda first: pulled.append(first) or [])
+    assert not pulled and pair.decode.blocks.num_free_blocks() == free
+    run(pair.decode)  # the long one finishes and frees its blocks: now it fits
+    assert pair.decode.can_import(handoff)
+    pair.decode.import_request(handoff, lambda first: pair.prefill.export_kv("short", first))
+    pair.prefill.release_handoff("short")
+    assert run(pair.decode)["short"][-1].token_ids == colocated(folder, [short], GREEDY, **ENGINE)[0].token_ids
+    assert pair.free_counts() == pair.free
+
+
+def test_roles_and_what_each_refuses(llama_tiny, pair):
+    prompt = random_prompts(llama_tiny[1].config.vocab_size, [10], seed=8)[0]
+    # a first token that ends the request ends it on the prefill side: nothing to hand off
+    pair.prefill.add_request("one", prompt, SamplingParams(temperature=0, max_tokens=1))
+    assert run(pair.prefill)["one"][-1].finish_reason == "length" and not pair.prefill.handoffs
+    pair.prefill.add_request("held", prompt, GREEDY)
+    run(pair.prefill)
+    handoff = pair.prefill.handoff("held")
+    with pytest.raises(KvTransferError, match="'prefill' engine imports no KV"):
+        pair.prefill.reserve_import(handoff)
+    both = LLM(llama_tiny[0], **ENGINE).engine
+    assert not both.can_import(handoff)
+    with pytest.raises(KvTransferError, match="'both' engine imports no KV"):
+        both.reserve_import(handoff)
+    with pytest.raises(KeyError, match="not held here"):
+        pair.prefill.export_kv("nobody")
+    receiver = pair.decode.reserve_import(handoff)
+    with pytest.raises(KvTransferError, match="not complete"):
+        pair.decode.finish_import(receiver)
+    pair.decode.abort("held")  # gives the reservation back
+    assert not pair.decode.imports
+    pair.prefill.abort("held")  # frees what the prefill side held
+    assert not pair.prefill.handoffs
+    with pytest.raises(KvTransferError, match="not a KV hand-off frame"):
+        decode_frame(b"\x93\xa3xyz")
+
+
+def test_handoff_between_emulated_engines_carries_no_kv(default_model):
+    """An engine that runs no model has no KV to send: the hand-off is the request's state alone."""
+    config = dict(executor="emulated", num_kv_blocks=32, step_time=lambda *_: 0.0)
+    pair = Pair(default_model, **config)
+    prompt = list(range(100, 140))
+    got = pair.generate([prompt], GREEDY)
+    want = colocated(default_model, [prompt], GREEDY, **config)[0]
+    assert next(iter(got.values()))[-1].token_ids == want.token_ids
+    assert pair.receivers[0].total_bytes == 0
+    assert pair.free_counts() == pair.free
+
+
+def test_real_model_greedy_text_with_a_stop_string(default_model):
+    """SmolLM2: the same text token for token, cut at the same stop string, and the stream (prefill side's first
+    delta, then the decode side's) adds up to the co-located stream."""
+    config = dict(num_kv_blocks=64, max_num_batched_tokens=16, batch_policy="fcfs")
+    free_run = LLM(default_model, **config)
+    chat = free_run.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours of the sky."}])
+    text = free_run.generate([chat], SamplingParams(temperature=0, max_tokens=24))[0].text
+    stop = text.split()[3]  # a word well into the answer: decoding on the decode side meets it
+    params = SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+    want_outs = []
+    free_run.engine.add_request("ref", chat, params)
+    while free_run.engine.has_unfinished():
+        want_outs += free_run.engine.step()
+    pair = Pair(default_model, **config)
+    got = pair.generate([chat, chat], params, max_chunk_bytes=64 << 10)
+    assert pair.receivers[1].first_block > 0  # the first one's blocks are in the decode side's prefix cache
+    for outs in got.values():
+        assert outs[0].finish_reason == "prefilled"
+        assert outs[-1].text == want_outs[-1].text and outs[-1].finish_reason == "stop"
+        assert outs[-1].token_ids == want_outs[-1].token_ids
+        assert "".join(o.new_text for o in outs) == "".join(o.new_text for o in want_outs)
+    assert pair.free_counts() == pair.free
+
+
+def test_role_is_a_checked_engine_flag():
+    from engine.serve import main
+
+    config = EngineConfig(executor="emulated", role="decode")
+    assert config.to_args()[-2:] == ["--role", "decode"] and EngineConfig(**config.options()) == config
+    with pytest.raises(ValueError, match="role must be one of both, prefill, decode"):
+        EngineConfig(role="router")
+    with pytest.raises(SystemExit):  # one engine behind HTTP serves whole requests
+        main(["--executor", "emulated", "--role", "prefill"])
