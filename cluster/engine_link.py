@@ -10,7 +10,7 @@ from cluster import protocol as p
 
 log = logging.getLogger(__name__)
 
-ROUTER_BOUND = (p.Tokens, p.Finish, p.Error, p.StepReport, p.Heartbeat, p.Drained)
+ROUTER_BOUND = (p.Tokens, p.Finish, p.Prefilled, p.Error, p.StepReport, p.Heartbeat, p.Drained)
 
 
 class EngineLink:

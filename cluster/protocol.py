@@ -5,8 +5,11 @@ a tagged array whose tag carries the protocol version ("submit.1"). A peer speak
 or over the bound, a payload that is cut short or does not decode to a known message: each raises `ProtocolError`,
 and the side that reads it closes that one connection with the reason logged.
 
-Worker -> router: Hello (first frame), Tokens, Finish, Error, StepReport, Heartbeat, Drained.
-Router -> worker: Auth (first frame), Submit, Abort, Drain.
+Worker -> router: Hello (first frame), Tokens, Finish, Prefilled, Error, StepReport, Heartbeat, Drained.
+Router -> worker: Auth (first frame), Submit, Import, Abort, Drain.
+Decode worker -> prefill worker, on the prefill worker's KV listener (`Hello.kv_port`): after the same handshake
+(Hello, Auth), KvPull; answered with KvData frames (the hand-off frames of engine/kv_transfer.py, each its own
+frame, written as the reader takes them) or KvRefused; then the puller's KvDone lets the prefill side free the KV.
 Authentication: the Hello carries a fresh random challenge; the router's first frame answers it with an HMAC keyed by
 the fleet's shared secret (`auth_proof`), so the secret never crosses the wire and a recorded answer fits no other
 connection. A worker sends nothing but the Hello to a connection before that answer, closes one whose answer is
@@ -28,7 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from scheduler.slo import SLO
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of msgpack; 8 MiB leaves room and bounds a bad peer
 THREAD_DECODE_BYTES = 1 << 18  # above this a frame takes milliseconds to decode: off the event loop
 HEADER = struct.Struct("!I")
@@ -83,6 +86,8 @@ class Hello(_Message, tag=_tag("hello")):
     has_tokenizer: bool
     executor: str
     challenge: bytes = b""  # random, fresh per connection: the router's Auth answers it
+    role: str = "both"  # engine.config's role: both | prefill | decode
+    kv_port: int = 0  # a prefill worker's listener for decode workers' KV pulls (0: none)
 
 
 class Auth(_Message, tag=_tag("auth")):
@@ -100,6 +105,16 @@ class Submit(_Message, tag=_tag("submit")):
     # the prompt's last tokens are output already streamed from a failed instance: the engine continues after them
     # (Engine.add_request's resumed_tokens)
     resumed_tokens: int = 0
+
+
+class Import(_Message, tag=_tag("import")):
+    """Continue a request that a prefill worker ran to its first token: pull its KV from that worker's KV listener
+    (`kv_host`:`kv_port`), import it and stream the rest as for a Submit."""
+    request_id: str
+    handoff: bytes  # engine.kv_transfer.encode_frame of the prefill engine's Handoff
+    kv_host: str
+    kv_port: int
+    clock_shift: float  # this worker's clock - the prefill worker's: the Handoff's times are on the latter
 
 
 class Abort(_Message, tag=_tag("abort")):
@@ -134,10 +149,21 @@ class Finish(_Message, tag=_tag("finish")):
     num_cached_tokens: int
 
 
+class Prefilled(_Message, tag=_tag("prefilled")):
+    """A prefill worker's request has its first token (sent before this frame) and its KV is held for a decode
+    worker to pull (`Import`), until that one says KvDone, the router aborts it, or the worker's hold times out."""
+    request_id: str
+    handoff: bytes  # engine.kv_transfer.encode_frame of the engine's Handoff
+    num_cached_tokens: int
+
+
 class Error(_Message, tag=_tag("error")):
     """A request ends without a normal finish, or (request_id "") the connection is being closed for a reason."""
     request_id: str
-    kind: str  # invalid (bad request: nothing ran) | draining (not accepted: place elsewhere) | engine | protocol
+    # invalid (bad request: nothing ran) | draining (not accepted: place elsewhere) | engine | protocol; for an
+    # Import: refused (no free KV blocks, nothing pulled: place elsewhere or later) | transfer (the pull failed,
+    # nothing applied: the prefill side still holds the KV) | gone (the prefill side holds it no more)
+    kind: str
     message: str
 
 
@@ -183,7 +209,29 @@ class Drained(_Message, tag=_tag("drained")):
     """Sent once, after the last resident of a draining worker finished; the worker exits next."""
 
 
-Message = Union[Hello, Auth, Submit, Abort, Drain, Tokens, Finish, Error, StepReport, Heartbeat, Drained]
+class KvPull(_Message, tag=_tag("kv_pull")):
+    """Send the held request's KV blocks from `first_block` on (the puller's prefix cache holds those before)."""
+    request_id: str
+    first_block: int
+
+
+class KvData(_Message, tag=_tag("kv_data")):
+    frame: bytes  # one engine.kv_transfer frame, encoded by that module (KvBegin, KvChunk or KvEnd)
+
+
+class KvRefused(_Message, tag=_tag("kv_refused")):
+    """The pulled request is not held here (released, timed out, aborted): it must be prefilled again."""
+    request_id: str
+    message: str
+
+
+class KvDone(_Message, tag=_tag("kv_done")):
+    """The puller applied the KV: the prefill side may free it."""
+    request_id: str
+
+
+Message = Union[Hello, Auth, Submit, Import, Abort, Drain, Tokens, Finish, Prefilled, Error, StepReport, Heartbeat,
+                Drained, KvPull, KvData, KvRefused, KvDone]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

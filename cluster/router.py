@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 from cluster.autoscaler import Autoscaler
 from cluster.fleet import Fleet, InstanceStatus, InstanceView, RoutedRequest
 from cluster.protocol import Resident
+from engine.config import ROLES
 from scheduler.attainability import Attainability, AttainabilityChecker
 from scheduler.instance_state import InstanceState, RequestSnapshot
 from scheduler.headroom import Headroom
@@ -143,6 +144,10 @@ class Router:
         self._tier_orders = [_scan_orders(k, promotion) for k in range(len(tiers))]
         self._rng = random.Random(seed)
         self._round_robin = 0
+        # prefill/decode disaggregation: the instances of role prefill or decode (the rest do both), and the
+        # requests whose prompt a prefill instance ran, to be placed on a decode instance
+        self.roles: dict[str, str] = {}
+        self.handoffs: set[str] = set()
 
     # ---- instances -------------------------------------------------------------------------------------------
     def add_instance(self, instance_id: str, now: float) -> None:
@@ -150,6 +155,16 @@ class Router:
             raise ValueError(f"instance {instance_id!r} is already in the fleet")
         self.fleet.instances[instance_id] = InstanceView(instance_id, InstanceStatus.STARTING, now,
                                                             self.output_lengths, iteration_end=now)
+
+    def set_role(self, instance_id: str, role: str) -> None:
+        """An instance's engine role: "prefill" ones take new requests and hand them off at their first token,
+        "decode" ones take only those hand-offs (`hand_off`), "both" (the default) new requests whole."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role == "both":
+            self.roles.pop(instance_id, None)
+        else:
+            self.roles[instance_id] = role
 
     def on_ready(self, instance_id: str, kv_capacity_tokens: int, now: float) -> list[Placement]:
         view = self.fleet[instance_id]
@@ -174,11 +189,13 @@ class Router:
 
     def remove_instance(self, instance_id: str, now: float) -> None:
         view = self.fleet.instances.pop(instance_id, None)
+        self.roles.pop(instance_id, None)
         if view is None:
             return
         self._unlabel(view)
         for rid in view.residents:
             self.requests.pop(rid, None)
+            self.handoffs.discard(rid)
 
     def on_lost(self, instance_id: str, now: float) -> list[RoutedRequest]:
         view = self.fleet[instance_id]
@@ -189,6 +206,7 @@ class Router:
             req.instance_id = None
             req.num_computed_tokens = 0
             del self.requests[req.request_id]
+            self.handoffs.discard(req.request_id)
         view.residents.clear()
         view.residents_per_tier.clear()
         view.kv_tokens = 0
@@ -234,6 +252,17 @@ class Router:
         self._log(now, "queued", req.request_id, None, req.tier_index)
         return Decision(Outcome.QUEUED)
 
+    def hand_off(self, req: RoutedRequest, now: float) -> Decision:
+        """A request a prefill instance ran to its first token (and left: `on_finished`), to be placed on a decode
+        instance with its prompt computed there by the import; placed, queued at the head of its queue, or refused
+        as `submit` readmits a request."""
+        self.handoffs.add(req.request_id)
+        req.num_computed_tokens, req.num_output_tokens = req.num_prompt_tokens, 1
+        decision = self.submit(req, now, readmit=True)
+        if decision.outcome is Outcome.NO_INSTANCE:
+            self.handoffs.discard(req.request_id)
+        return decision
+
     def on_report(self, instance_id: str, report: InstanceReport, now: float) -> None:
         view = self.fleet.instances.get(instance_id)
         if view is None or view.status is InstanceStatus.DEAD:
@@ -269,6 +298,7 @@ class Router:
     def on_finished(self, request_id: str, num_output_tokens: int, now: float, completed: bool = True) -> None:
         """Left its instance (finished, aborted, failed); a `completed` one's output joins its tier's mean."""
         req = self.requests.pop(request_id, None)
+        self.handoffs.discard(request_id)
         if req is None:
             return
         view = self.fleet.instances.get(req.instance_id) if req.instance_id is not None else None
@@ -295,6 +325,7 @@ class Router:
             return False
         self.queues[req.tier_index].remove(req)
         del self.requests[request_id]
+        self.handoffs.discard(request_id)
         return True
 
     def retry_queued(self, now: float) -> list[Placement]:
@@ -428,7 +459,9 @@ class Router:
               early: float) -> bool:
         """The attainability test of `req` (as `snap`) on `view` held to `budget_ms`; its companions, if any,
         counted in as residents (seated for the test, then taken out again), each one more sequence in the batch
-        and its own KV."""
+        and its own KV. An instance whose role does not take the request's stage fits it not."""
+        if self.roles and not self._serves(view, req):
+            return False
         if not req.companions:
             return self.checker.fits(view.summary, view.kv_capacity_tokens, view.iteration_end, budget_ms, snap,
                                      now, early)
@@ -451,7 +484,8 @@ class Router:
         and takes the lowest. Here the first is the request's prompt, none of which the router can know to be cached
         (it sees no prompt contents), and the batch size the instance's residents; ties go to the lower load, then
         instance order."""
-        serving = [v for v in self.fleet.instances.values() if v.status is InstanceStatus.READY]
+        serving = [v for v in self.fleet.instances.values()
+                   if v.status is InstanceStatus.READY and (not self.roles or self._serves(v, req))]
         if not serving:
             return None
         if self.policy == "random":
@@ -463,6 +497,10 @@ class Router:
             new_prefill_tokens = req.num_prompt_tokens
             return min(serving, key=lambda v: (new_prefill_tokens * len(v.residents), v.load))
         return min(serving, key=_load)
+
+    def _serves(self, view: InstanceView, req: RoutedRequest) -> bool:
+        role = self.roles.get(view.instance_id, "both")
+        return role == "decode" if req.request_id in self.handoffs else role != "decode"
 
     def _on_time_possible(self, req: RoutedRequest, now: float) -> bool:
         """Could its first token still be on time on an idle instance starting now?"""
@@ -477,7 +515,8 @@ class Router:
         if how is How.SCALED_UP:
             self.fleet.idle.remove(view)
             self._join(view, req.tier_index, now)
-        req.num_computed_tokens = req.num_output_tokens = 0
+        if req.request_id not in self.handoffs:  # a hand-off's prompt is computed there by its import
+            req.num_computed_tokens = req.num_output_tokens = 0
         view.residents[req.request_id] = req
         view.summary.add(req)
         for sample in req.companions:

@@ -21,6 +21,14 @@ around the pure `Router` and `Autoscaler` (DESIGN.md §5). This file owns every 
   or until an instance leaves; a launch that fails otherwise is retried after a growing backoff.
 - Each tick: heartbeat check, queue retry, the autoscaler's plan (start processes, drain and stop idle ones),
   spares topped up.
+- Prefill/decode disaggregation (instances whose Hello says role prefill or decode): a new request goes to a
+  prefill instance (the router's placement among those), which streams its first token and says Prefilled (it holds
+  the KV); the router then places it on a decode instance (`Router.hand_off`) and sends that one an Import: the
+  hand-off and where to pull the KV. A decode instance that has no free blocks for it refuses before any transfer:
+  it is placed again a tick later. A pull that fails is placed again, the prefill side still holding the KV, up to
+  `max_transfer_attempts`; then, or when the prefill side holds it no more, or when the decode instance is lost
+  after it streamed, the stream migrates (prefilled again, as any stream whose instance failed). A client that
+  leaves mid-way has the prefill side's hold aborted too.
 """
 from __future__ import annotations
 
@@ -71,6 +79,8 @@ class _Stream:
     migrations: int = 0  # times it continued on another instance after its own failed mid-stream
     lost_at: float | None = None  # when its instance was found dead, until its first token after that
     companions: list["_Stream"] = field(default_factory=list)  # samples admitted with it, until it is placed
+    handoff: "_HandOff | None" = None  # its prompt ran on a prefill instance, which holds its KV
+    transfer_attempts: int = 0  # imports of the current hand-off that failed
 
     @property
     def started(self) -> bool:
@@ -92,6 +102,16 @@ class _Stream:
         if not self.done:
             self.done = True
             self.outputs.put_nowait(item)
+
+
+@dataclass(slots=True, frozen=True)
+class _HandOff:
+    """What a prefill instance said of a request it holds: sent on to the decode instance in an Import."""
+    handoff: bytes
+    prefill_instance: str
+    kv_host: str
+    kv_port: int
+    clock_offset: float  # the router's clock - the prefill worker's
 
 
 class _Outputs:
@@ -125,12 +145,16 @@ class RouterService:
     def __init__(self, router: Router, *, launcher: Launcher | None = None, heartbeat_timeout_s: float = 3.0,
                  tick_s: float = 0.05, drain_timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
                  max_migrations: int = 2, token: str | None = None, placement_retry_s: float = 60.0,
-                 clock=time.monotonic):
+                 max_transfer_attempts: int = 3, clock=time.monotonic):
         """`max_migrations`: how many times one stream may continue elsewhere after its instance failed; a failure
         beyond that ends it with an error output. `token`: the shared secret proved to every worker (None: the
         launcher's; with neither, a random one that only fits workers given it). `placement_retry_s`: after the
         launcher found no room for a worker (PlacementError), how long before it is asked again, unless an
-        instance leaves first."""
+        instance leaves first. `max_transfer_attempts`: KV pulls of one hand-off that may fail before the request
+        is prefilled again."""
+        if max_transfer_attempts < 1:
+            raise ValueError(f"max_transfer_attempts must be positive, got {max_transfer_attempts}")
+        self.max_transfer_attempts = max_transfer_attempts
         if launcher is not None and token is not None and token != launcher.token:
             raise ValueError("the service's cluster token differs from its launcher's")
         if not placement_retry_s > 0:
@@ -157,7 +181,8 @@ class RouterService:
         self.warm_starts: list[float] = []  # seconds from taking a warm spare to its Hello, every one taken
         # seconds from finding a stream's instance dead to its next token, the latest migrations
         self.migration_delays: deque[float] = deque(maxlen=4096)
-        self.counts: Counter[str] = Counter()  # "migrated", "migrations_exhausted", "unplaceable"
+        # "migrated", "migrations_exhausted", "unplaceable", "handed_off", "import_refused", "transfer_failed"
+        self.counts: Counter[str] = Counter()
         self._link_tasks: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._tick_task: asyncio.Task | None = None
@@ -210,6 +235,7 @@ class RouterService:
         self.links[link.instance_id] = link
         self._link_tasks[link.instance_id] = self._spawn(self._run_link(link))
         h = link.hello
+        self.router.set_role(link.instance_id, h.role)
         self._dispatch(self.router.on_ready(link.instance_id, h.num_kv_blocks * h.block_size, now), now)
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -307,7 +333,13 @@ class RouterService:
             return
         submit = stream.submit
         submit.queued_s = now - stream.routed.arrival
-        self.links[instance_id].send(submit)
+        link = self.links[instance_id]
+        h = stream.handoff
+        if h is None:
+            link.send(submit)
+        else:  # decode clock = router clock - its offset = prefill clock + the prefill's offset - its offset
+            link.send(p.Import(submit.request_id, h.handoff, h.kv_host, h.kv_port,
+                               h.clock_offset - link.clock_offset))
         if not stream.sent:
             stream.sent = True
             if self.metrics is not None:
@@ -349,6 +381,8 @@ class RouterService:
     def _abandon(self, stream: _Stream) -> None:
         """The client left before the end: abort it where it runs, or take it out of the queue."""
         req = stream.routed
+        if stream.handoff is not None:
+            self._give_up_handoff(stream)
         if req.instance_id is None:
             self.router.withdraw(req.request_id)
             return
@@ -422,10 +456,72 @@ class RouterService:
                                     completed=msg.finish_reason in ("stop", "length"))
             s.end(s.output([], "", msg.finish_reason, msg.num_cached_tokens))
             self._dispatch(self.router.retry_queued(now), now)
+        elif isinstance(msg, p.Prefilled):
+            self._on_prefilled(link, msg, now)
         elif isinstance(msg, p.Error):
             self._on_error(link, msg, now)
         elif isinstance(msg, p.Drained):
             link.drained = True
+
+    # ---- prefill/decode hand-offs --------------------------------------------------------------------------------
+    def _on_prefilled(self, link: EngineLink, msg: p.Prefilled, now: float) -> None:
+        s = self.streams.get(msg.request_id)
+        if s is None or s.routed.instance_id != link.instance_id or s.done:
+            link.send(p.Abort(msg.request_id))  # nobody waits for it: its KV is freed there
+            return
+        self.router.on_finished(msg.request_id, len(s.token_ids), now, completed=False)
+        if not link.hello.kv_port:
+            s.end(s.output([], "", "error", error=f"instance {link.instance_id} handed off a request but has no "
+                                                  f"KV listener"))
+            return
+        host = link.writer.get_extra_info("peername")[0]
+        s.handoff = _HandOff(msg.handoff, link.instance_id, host, link.hello.kv_port, link.clock_offset)
+        s.transfer_attempts = 0
+        self.counts["handed_off"] += 1
+        self._hand_off(s, now)
+        self._dispatch(self.router.retry_queued(now), now)
+
+    def _hand_off(self, s: _Stream, now: float) -> None:
+        decision = self.router.hand_off(s.routed, now)
+        if decision.outcome is Outcome.PLACED:
+            self._send(s, decision.instance_id, now)
+        elif decision.outcome is Outcome.NO_INSTANCE:
+            self._give_up_handoff(s)
+            s.end(s.output([], "", "error", error="no decode instance is serving or can be started"))
+
+    def _hand_off_later(self, s: _Stream) -> None:
+        """Placed again a tick from now: a decode instance refused it for want of free blocks, which its report
+        had not shown yet."""
+        def retry():
+            if self.streams.get(s.routed.request_id) is s and not s.done and s.handoff is not None \
+                    and s.routed.request_id not in self.router.requests and not self._stopping:
+                self._hand_off(s, self.clock())
+        asyncio.get_running_loop().call_later(self.tick_s, retry)
+
+    def _give_up_handoff(self, s: _Stream) -> None:
+        """The prefill instance need hold its KV no more."""
+        h, s.handoff = s.handoff, None
+        link = self.links.get(h.prefill_instance)
+        if link is not None:
+            link.send(p.Abort(s.routed.request_id))
+
+    def _import_failed(self, s: _Stream, instance_id: str, kind: str, reason: str, now: float) -> None:
+        """The decode instance did not apply the hand-off: another attempt, or (the prefill side holds it no more,
+        or the attempts ran out) prefilled again."""
+        if kind == "refused":
+            self.counts["import_refused"] += 1
+            self._hand_off_later(s)
+            return
+        if kind == "draining":  # it raced the drain: nothing was pulled, and the draining instance takes no more
+            self._hand_off(s, now)
+            return
+        self.counts["transfer_failed"] += 1
+        s.transfer_attempts += 1
+        if kind == "transfer" and s.transfer_attempts < self.max_transfer_attempts:
+            self._hand_off(s, now)
+            return
+        self._give_up_handoff(s)
+        self._migrate(s, instance_id, reason, now)
 
     def _on_error(self, link: EngineLink, msg: p.Error, now: float) -> None:
         if not msg.request_id:
@@ -435,7 +531,9 @@ class RouterService:
         if s is None or s.routed.instance_id != link.instance_id:
             return
         self.router.on_finished(msg.request_id, len(s.token_ids), now, completed=False)
-        if msg.kind == "draining":  # it raced the drain (nothing ran there): place it elsewhere
+        if s.handoff is not None and msg.kind in ("refused", "transfer", "gone", "draining"):
+            self._import_failed(s, link.instance_id, msg.kind, msg.message, now)
+        elif msg.kind == "draining":  # it raced the drain (nothing ran there): place it elsewhere
             self._decided(s, self.router.submit(s.routed, now, readmit=True), now)
         elif msg.kind == "invalid" and not s.started:
             s.end(InvalidRequestError(msg.message))
@@ -456,7 +554,12 @@ class RouterService:
             s = self.streams.get(req.request_id)
             if s is None or s.done:
                 continue
-            if s.started:
+            if s.handoff is not None and s.handoff.prefill_instance != instance_id and len(s.token_ids) == 1:
+                # lost before it streamed from its decode instance: the prefill side may hold the KV still
+                self._import_failed(s, instance_id, "transfer", reason, now)
+            elif s.started:
+                if s.handoff is not None:
+                    self._give_up_handoff(s)
                 self._migrate(s, instance_id, reason, now)
             else:
                 self._decided(s, self.router.submit(req, now, readmit=True), now)

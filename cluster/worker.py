@@ -14,6 +14,14 @@ waiting, KV use) every `--heartbeat-s`, after the steps held back, and at once w
 no step to report it. Drain: new submits are
 answered with a `draining` error, residents finish, every connection gets Drained, and the process exits.
 
+Prefill/decode roles (`--role`, engine/kv_transfer.py): a prefill worker ends a request at its first token with a
+Prefilled frame (the engine's Handoff) instead of a Finish, and holds its KV for `--handoff-timeout-s` on a second
+listener (`Hello.kv_port`) where decode workers pull it after the same handshake as the router's. A decode worker
+told to Import a request connects there, pulls the blocks (streamed in bounded frames, each written once the
+socket has taken the previous one), imports them, says KvDone (the prefill side frees them) and streams the rest
+to its router as for a Submit. A pull that fails closes that peer connection, logs why and answers the router
+with an Error (kinds refused, transfer, gone: cluster/protocol.py); nothing of it is applied.
+
 Prompts arrive as token ids (the router tokenizes); the engine detokenizes with the model folder's tokenizer, so
 stop strings cut exactly where they would in one process, and text deltas travel with the tokens.
 """
@@ -21,20 +29,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import hmac
+import logging
 import os
 import secrets
 import signal
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+
+import msgspec
 
 from cluster import protocol as p
 from cluster.step_reports import DEFAULT_REPORT_EVERY_STEPS, StepReportCoalescer
+from engine import kv_transfer
 from engine.async_engine import AsyncEngine, EngineLoad
 from engine.config import EngineConfig, add_engine_args
 from engine.engine import Engine, InvalidRequestError, RequestOutput
+from engine.kv_transfer import KvEnd, KvImportRefused, KvTransferError
 from engine.llm import build_engine
 from engine.serving import freeze_startup_heap
 from scheduler.types import StepStats
@@ -43,10 +56,64 @@ log = logging.getLogger(__name__)
 
 MAX_WRITE_BUFFER_BYTES = 64 << 20  # a peer that reads nothing for this long is gone; its connection is closed
 AUTH_TIMEOUT_S = 10.0  # a connection that has not authenticated by then is closed
+KV_PULL_TIMEOUT_S = 10.0  # a KV peer that sends nothing for this long is given up
 
 
 class AuthError(p.ProtocolError):
     """A connection's first frame did not prove the shared secret, or another router holds this worker."""
+
+
+class HandoffGone(KvTransferError):
+    """The prefill worker holds the pulled request no more: it must be prefilled again."""
+
+
+class _PeerKv:
+    """A decode worker's pull of one request's KV from a prefill worker's KV listener (AsyncEngine's KvSource)."""
+
+    def __init__(self, host: str, port: int, token: str, request_id: str):
+        self.address, self.token, self.request_id = (host, port), token, request_id
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def frames(self, first_block: int):
+        reader, self.writer = await asyncio.wait_for(asyncio.open_connection(*self.address), KV_PULL_TIMEOUT_S)
+        hello = await self._read(reader)
+        if not isinstance(hello, p.Hello):
+            raise p.ProtocolError(f"expected Hello first, got {type(hello).__name__}")
+        if hello.version != p.PROTOCOL_VERSION:
+            raise p.ProtocolError(f"KV peer speaks protocol {hello.version}, this worker {p.PROTOCOL_VERSION}")
+        self.writer.write(p.encode_frame(p.Auth(p.auth_proof(self.token, hello.challenge)))
+                          + p.encode_frame(p.KvPull(self.request_id, first_block)))
+        while True:
+            msg = await self._read(reader)
+            if isinstance(msg, p.KvRefused):
+                raise HandoffGone(msg.message)
+            if isinstance(msg, p.Error):
+                raise p.ProtocolError(f"the KV peer closed the connection: {msg.message} ({msg.kind})")
+            if not isinstance(msg, p.KvData):
+                raise p.ProtocolError(f"expected KvData, got {type(msg).__name__}")
+            frame = kv_transfer.decode_frame(msg.frame)
+            yield frame
+            if isinstance(frame, KvEnd):
+                return
+
+    async def _read(self, reader: asyncio.StreamReader):
+        msg = await asyncio.wait_for(p.read_message(reader), KV_PULL_TIMEOUT_S)
+        if msg is None:
+            raise ConnectionError("the KV peer closed the connection mid-transfer")
+        return msg
+
+    async def applied(self) -> None:
+        """Says KvDone; a peer gone by now frees the KV when its hold times out."""
+        try:
+            self.writer.write(p.encode_frame(p.KvDone(self.request_id)))
+            await self.writer.drain()
+        except (ConnectionError, OSError) as err:
+            log.info("KV peer %s:%d gone before KvDone of %s: %s", *self.address, self.request_id, err)
+        self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def resident_report(engine: Engine) -> list[p.Resident]:
@@ -72,13 +139,21 @@ class _Connection:
 class Worker:
     def __init__(self, engine: Engine, *, instance_id: str, token: str, heartbeat_s: float = 0.5,
                  parent_pid: int | None = None, report_every_steps: int = DEFAULT_REPORT_EVERY_STEPS,
+                 handoff_timeout_s: float = 30.0, kv_chunk_bytes: int = kv_transfer.MAX_CHUNK_BYTES,
                  clock=time.monotonic):
         """`token`: the fleet's shared secret, which the router's first frame must prove (protocol.auth_proof).
         `parent_pid`: exit when that process is gone (a launcher's workers must not outlive it).
         `report_every_steps`: the most steps whose report is held back while nothing placement depends on changed
-        (StepReportCoalescer; 1: a report every step)."""
+        (StepReportCoalescer; 1: a report every step).
+        `handoff_timeout_s` (a prefill engine): how long a prefilled request's KV is held for a decode worker's pull
+        before it is freed; `kv_chunk_bytes`: the most payload bytes in one KV frame sent."""
         if not heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be positive, got {heartbeat_s}")
+        if not handoff_timeout_s > 0:
+            raise ValueError(f"handoff_timeout_s must be positive, got {handoff_timeout_s}")
+        if not 0 < kv_chunk_bytes <= p.MAX_FRAME_BYTES // 2:
+            raise ValueError(f"kv_chunk_bytes must lie in [1, {p.MAX_FRAME_BYTES // 2}], got {kv_chunk_bytes}")
+        self.handoff_timeout_s, self.kv_chunk_bytes = handoff_timeout_s, kv_chunk_bytes
         if not token:
             raise ValueError("a worker needs the cluster token (the shared secret its router proves)")
         self._token = token
@@ -95,6 +170,11 @@ class Worker:
         self._drained = False
         self.done = asyncio.Event()
         self._server: asyncio.AbstractServer | None = None
+        self._kv_server: asyncio.AbstractServer | None = None
+        self.kv_port = 0
+        self.handoffs: dict[str, asyncio.TimerHandle] = {}  # held for a pull: each with its timeout
+        self._pulling: Counter[str] = Counter()  # held ones being sent now: freed only once no send is under way
+        self._let_go_after_pull: set[str] = set()
         self._flush_scheduled = False
         self._heartbeat_task: asyncio.Task | None = None
 
@@ -102,27 +182,37 @@ class Worker:
         """Starts the engine and listens; returns the bound port."""
         await self.async_engine.start()
         self._server = await asyncio.start_server(self._serve_connection, host, port)
+        if self.engine.role == "prefill":
+            self._kv_server = await asyncio.start_server(self._serve_kv_peer, host, 0)
+            self.kv_port = self._kv_server.sockets[0].getsockname()[1]
         self._heartbeat_task = asyncio.create_task(self._heartbeats())
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
-        if self._server is not None:
-            self._server.close()
+        for server in (self._server, self._kv_server):
+            if server is not None:
+                server.close()
+        for timer in self.handoffs.values():
+            timer.cancel()
         for conn in list(self.connections):
             self._close(conn)
         await self.async_engine.stop()
         self.done.set()
 
     # ---- connections ----------------------------------------------------------------------------------------
+    def _hello(self, challenge: bytes) -> bytes:
+        e = self.engine
+        return p.encode_frame(p.Hello(
+            p.PROTOCOL_VERSION, self.instance_id, os.getpid(), self.clock(), e.executor.num_kv_blocks, e.block_size,
+            e.max_model_len, e.executor.vocab_size, e.tokenizer is not None, e.config.executor, challenge, e.role,
+            self.kv_port))
+
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = "%s:%s" % writer.get_extra_info("peername")[:2]
-        e = self.engine
         challenge = secrets.token_bytes(32)
-        writer.write(p.encode_frame(p.Hello(
-            p.PROTOCOL_VERSION, self.instance_id, os.getpid(), self.clock(), e.executor.num_kv_blocks, e.block_size,
-            e.max_model_len, e.executor.vocab_size, e.tokenizer is not None, e.config.executor, challenge)))
+        writer.write(self._hello(challenge))
         try:
             await self._authenticate(reader, challenge)
         except (p.ProtocolError, asyncio.TimeoutError) as err:
@@ -153,19 +243,19 @@ class Worker:
         finally:
             self._close(conn)
 
-    async def _authenticate(self, reader: asyncio.StreamReader, challenge: bytes) -> None:
-        """Returns once the peer's first frame proved the secret and no other router holds this worker; raises
-        AuthError, ProtocolError (not an Auth frame) or TimeoutError."""
+    async def _authenticate(self, reader: asyncio.StreamReader, challenge: bytes, router: bool = True) -> None:
+        """Returns once the peer's first frame proved the secret and (a `router`) no other router holds this
+        worker; raises AuthError, ProtocolError (not an Auth frame) or TimeoutError."""
         msg = await asyncio.wait_for(p.read_message(reader), AUTH_TIMEOUT_S)
         if not isinstance(msg, p.Auth):
             raise p.ProtocolError(f"expected Auth first, got {type(msg).__name__ if msg else 'end of stream'}")
         if not hmac.compare_digest(msg.proof, p.auth_proof(self._token, challenge)):
             raise AuthError("its Auth frame does not prove the cluster token")
-        if self.connections:
+        if router and self.connections:
             raise AuthError(f"worker {self.instance_id} already serves a router")
 
     def _dispatch(self, conn: _Connection, msg) -> None:
-        if isinstance(msg, p.Submit):
+        if isinstance(msg, (p.Submit, p.Import)):
             if self.draining:
                 conn.add(p.Error(msg.request_id, "draining", f"instance {self.instance_id} is draining"))
                 self._schedule_flush()
@@ -173,10 +263,13 @@ class Worker:
                 conn.add(p.Error(msg.request_id, "invalid", f"request id {msg.request_id!r} is already in use"))
                 self._schedule_flush()
             else:
-                conn.requests[msg.request_id] = asyncio.create_task(self._serve_request(conn, msg))
+                serve = self._serve_request if isinstance(msg, p.Submit) else self._serve_import
+                conn.requests[msg.request_id] = asyncio.create_task(serve(conn, msg))
         elif isinstance(msg, p.Abort):
             if msg.request_id in conn.requests:  # only a connection's own requests
                 self.async_engine.abort(msg.request_id)
+            elif msg.request_id in self.handoffs:  # no decode worker will take it
+                self._let_go(msg.request_id, "aborted")
         elif isinstance(msg, p.Drain):
             self.drain()
         else:
@@ -198,25 +291,11 @@ class Worker:
     # ---- requests -------------------------------------------------------------------------------------------
     async def _serve_request(self, conn: _Connection, msg: p.Submit) -> None:
         rid = msg.request_id
-        seen = 0  # tokens already sent: the engine's token_times list keeps growing on its thread, so slice by count
         try:
             params = msg.sampling.params()
             arrival = self.clock() - max(0.0, msg.queued_s)
-            async for out in self.async_engine.generate(rid, msg.prompt_token_ids, params, msg.slo, arrival, msg.tier,
-                                                        msg.resumed_tokens):
-                n = len(out.new_token_ids)
-                if n or out.new_text:
-                    logprobs = out.logprobs[seen:seen + n] if out.logprobs is not None else None
-                    top = out.top_logprobs[seen:seen + n] if out.top_logprobs is not None else None
-                    first = seen == 0  # the prompt's logprobs are complete from the first output on
-                    conn.deltas.append(p.TokenDelta(rid, out.new_token_ids, out.new_text,
-                                                    out.token_times[seen:seen + n], logprobs, top,
-                                                    out.prompt_logprobs if first else None,
-                                                    out.prompt_top_logprobs if first else None))
-                    seen += n
-                if out.finished:
-                    conn.add(self._final(out))
-                self._schedule_flush()
+            await self._stream(conn, rid, self.async_engine.generate(
+                rid, msg.prompt_token_ids, params, msg.slo, arrival, msg.tier, msg.resumed_tokens), 0)
         except (InvalidRequestError, ValueError) as err:
             conn.add(p.Error(rid, "invalid", str(err)))
             self._schedule_flush()
@@ -231,6 +310,138 @@ class Worker:
             if self.draining:
                 self._maybe_drained()
 
+    async def _serve_import(self, conn: _Connection, msg: p.Import) -> None:
+        """A decode engine's request: its KV pulled from the prefill worker, then its outputs after the first."""
+        rid = msg.request_id
+        try:
+            try:
+                handoff = kv_transfer.decode_frame(msg.handoff)
+            except KvTransferError as err:
+                raise InvalidRequestError(str(err)) from None
+            if not isinstance(handoff, kv_transfer.Handoff) or handoff.request_id != rid:
+                raise InvalidRequestError(f"the Import of {rid!r} carries no hand-off of that request")
+            shift = msg.clock_shift
+            handoff = msgspec.structs.replace(
+                handoff, arrival=handoff.arrival + shift, first_token_time=handoff.first_token_time + shift,
+                first_scheduled_time=None if handoff.first_scheduled_time is None
+                else handoff.first_scheduled_time + shift)
+            source = _PeerKv(msg.kv_host, msg.kv_port, self._token, rid)
+            await self._stream(conn, rid, self.async_engine.generate_imported(handoff, source), 1)
+        except KvImportRefused as err:
+            conn.add(p.Error(rid, "refused", str(err)))
+        except (KvTransferError, p.ProtocolError, ConnectionError, OSError, asyncio.TimeoutError) as err:
+            reason = str(err) or type(err).__name__
+            log.warning("KV pull of %s from %s:%d failed, connection closed: %s", rid, msg.kv_host, msg.kv_port,
+                        reason)
+            conn.add(p.Error(rid, "gone" if isinstance(err, HandoffGone) else "transfer", reason))
+        except (InvalidRequestError, ValueError) as err:
+            conn.add(p.Error(rid, "invalid", str(err)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            log.exception("import of %s failed", rid)
+            conn.add(p.Error(rid, "engine", f"{type(err).__name__}: {err}"))
+        finally:
+            conn.requests.pop(rid, None)
+            self._schedule_flush()
+            if self.draining:
+                self._maybe_drained()
+
+    async def _stream(self, conn: _Connection, rid: str, outputs, seen: int) -> None:
+        """Sends a request's outputs as Tokens deltas and its end; `seen`: its tokens sent already (elsewhere)."""
+        async for out in outputs:
+            n = len(out.new_token_ids)
+            if n or out.new_text:
+                logprobs = out.logprobs[seen:seen + n] if out.logprobs is not None else None
+                top = out.top_logprobs[seen:seen + n] if out.top_logprobs is not None else None
+                first = seen == 0  # the prompt's logprobs are complete from the first output on
+                conn.deltas.append(p.TokenDelta(rid, out.new_token_ids, out.new_text,
+                                                out.token_times[seen:seen + n], logprobs, top,
+                                                out.prompt_logprobs if first else None,
+                                                out.prompt_top_logprobs if first else None))
+                seen += n
+            if out.finish_reason == "prefilled":
+                try:
+                    handoff = await self.async_engine.call(Engine.handoff, rid)
+                except BaseException:  # its router left meanwhile: nobody will pull it
+                    self.async_engine.abort(rid)
+                    raise
+                self._hold(rid)
+                conn.add(p.Prefilled(rid, kv_transfer.encode_frame(handoff), out.num_cached_tokens))
+            elif out.finished:
+                conn.add(self._final(out))
+            self._schedule_flush()
+
+    # ---- held hand-offs (a prefill engine) ------------------------------------------------------------------
+    def _hold(self, rid: str) -> None:
+        timer = asyncio.get_running_loop().call_later(self.handoff_timeout_s, self._let_go, rid,
+                                                      f"no decode worker pulled it within {self.handoff_timeout_s:g} s")
+        self.handoffs[rid] = timer
+
+    def _let_go(self, rid: str, why: str) -> None:
+        """Frees a held request's KV (once no pull of it is being sent)."""
+        if rid in self._pulling:
+            self._let_go_after_pull.add(rid)
+            return
+        timer = self.handoffs.pop(rid, None)
+        if timer is None:
+            return
+        timer.cancel()
+        log.debug("hand-off of %s released: %s", rid, why)
+        asyncio.get_running_loop().create_task(self._release(rid))
+
+    async def _release(self, rid: str) -> None:
+        try:
+            await self.async_engine.call(Engine.release_handoff, rid)
+        except KeyError:  # aborted on the engine meanwhile
+            pass
+        if self.draining:
+            self._maybe_drained()
+
+    async def _serve_kv_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A decode worker's KV pulls: the handshake, then KvPull -> KvData frames, KvDone -> the KV freed."""
+        peer = "%s:%s" % writer.get_extra_info("peername")[:2]
+        challenge = secrets.token_bytes(32)
+        writer.write(self._hello(challenge))
+        try:
+            await self._authenticate(reader, challenge, router=False)
+            while (msg := await p.read_message(reader)) is not None:
+                if isinstance(msg, p.KvPull):
+                    await self._send_kv(writer, msg)
+                elif isinstance(msg, p.KvDone):
+                    self._let_go(msg.request_id, "pulled")
+                else:
+                    raise p.ProtocolError(f"a KV listener does not accept {type(msg).__name__} frames")
+        except (p.ProtocolError, asyncio.TimeoutError) as err:
+            log.warning("closing KV connection from %s: %s", peer, str(err) or "no Auth frame in time")
+        except (ConnectionError, OSError) as err:
+            log.info("KV connection from %s lost: %s", peer, err)
+        except Exception:
+            log.exception("KV connection from %s failed", peer)
+        finally:
+            writer.close()
+
+    async def _send_kv(self, writer: asyncio.StreamWriter, pull: p.KvPull) -> None:
+        rid = pull.request_id
+        if rid not in self.handoffs:
+            writer.write(p.encode_frame(p.KvRefused(rid, f"request {rid!r} is not held by {self.instance_id}")))
+            return
+        self._pulling[rid] += 1
+        try:
+            frames = await self.async_engine.call(Engine.export_kv, rid, pull.first_block, self.kv_chunk_bytes)
+            while (frame := await asyncio.to_thread(next, frames, None)) is not None:  # reads the cache
+                writer.write(p.encode_frame(p.KvData(kv_transfer.encode_frame(frame))))
+                await writer.drain()  # the next chunk is read once the socket took this one
+        except ValueError as err:  # a first block outside the prompt's
+            writer.write(p.encode_frame(p.Error(rid, "invalid", str(err))))
+        finally:
+            self._pulling[rid] -= 1
+            if not self._pulling[rid]:
+                del self._pulling[rid]
+            if rid not in self._pulling and rid in self._let_go_after_pull:
+                self._let_go_after_pull.discard(rid)
+                self._let_go(rid, "given up during its pull")
+
     @staticmethod
     def _final(out: RequestOutput):
         if out.finish_reason == "error":
@@ -238,7 +449,7 @@ class Worker:
         return p.Finish(out.request_id, out.finish_reason, len(out.token_ids), out.num_cached_tokens)
 
     def _maybe_drained(self) -> None:
-        if self._drained or any(conn.requests for conn in self.connections):
+        if self._drained or self.handoffs or any(conn.requests for conn in self.connections):
             return
         self._drained = True
         self._send_held_reports()
@@ -326,6 +537,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the most engine steps told in one step report while nothing placement depends on changed "
                          "(a resident joining, leaving, emitting its first token, preempted: reported at once); "
                          "1: a report every step")
+    ap.add_argument("--handoff-timeout-s", type=float, default=30.0,
+                    help="role prefill: how long a prefilled request's KV is held for a decode worker's pull")
     ap.add_argument("--cluster-token-file", default=None,
                     help=f"file holding the shared secret the router proves (default: ${p.TOKEN_ENV}; one is needed)")
     add_engine_args(ap)
@@ -338,7 +551,8 @@ async def _main(args: argparse.Namespace) -> None:
         raise SystemExit(f"no cluster token: set ${p.TOKEN_ENV} or pass --cluster-token-file")
     engine = build_engine(EngineConfig.from_args(args), instance_id=args.instance_id)
     worker = Worker(engine, instance_id=args.instance_id, token=token, heartbeat_s=args.heartbeat_s,
-                    parent_pid=args.parent_pid, report_every_steps=args.report_every_steps)
+                    parent_pid=args.parent_pid, report_every_steps=args.report_every_steps,
+                    handoff_timeout_s=args.handoff_timeout_s)
     port = await worker.start(args.host, args.port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, worker.drain)

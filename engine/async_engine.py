@@ -8,9 +8,10 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
 
 from engine.engine import Engine, RequestOutput
+from engine.kv_transfer import Handoff, KvBegin, KvChunk, KvEnd
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 from scheduler.types import StepStats
@@ -24,6 +25,19 @@ class EngineLoad:
     num_running: int
     num_waiting: int
     num_blocks_used: int
+
+
+class KvSource(Protocol):
+    """Where an imported request's KV comes from (a prefill engine, over some transport)."""
+
+    def frames(self, first_block: int) -> AsyncGenerator[KvBegin | KvChunk | KvEnd, None]:
+        """The transfer's frames from the prompt's block `first_block` on, in order."""
+
+    async def applied(self) -> None:
+        """The KV is in this engine: the sender may let go of it."""
+
+    def close(self) -> None:
+        """The transfer is given up (nothing of it applied): the sender keeps its KV."""
 
 
 class AsyncEngine:
@@ -78,8 +92,46 @@ class AsyncEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
+        async for out in self._outputs(request_id, queue):
+            yield out
+
+    async def generate_imported(self, handoff: Handoff, source: KvSource) -> AsyncIterator[RequestOutput]:
+        """A request a prefill engine ran to its first token, continued here (a decode engine): its blocks are
+        reserved (KvImportRefused, nothing pulled, when they are not free), its KV pulled from `source` and checked
+        off the engine thread, applied (`Engine.finish_import`), `source` told so, and its outputs after the first
+        token yielded as `generate`'s. A transfer that fails raises its error from the first iteration, with the
+        reservation given back and `source` closed."""
+        request_id = handoff.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue  # before the import: its first step's outputs may come right after
+        try:
+            receiver = await self.call(Engine.reserve_import, handoff)
+            try:
+                frames = source.frames(receiver.first_block)
+                try:
+                    async for frame in frames:
+                        receiver.receive(frame)
+                finally:
+                    await frames.aclose()
+                await self.call(Engine.finish_import, receiver)
+            except BaseException:
+                self._commands.append((lambda: self.engine.cancel_import(receiver), None))
+                self._wake.set()
+                source.close()
+                raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._outputs(request_id, queue, source.applied()):
+            yield out
+
+    async def _outputs(self, request_id: str, queue: asyncio.Queue,
+                       first: Awaitable[None] | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until its last (after awaiting `first`); leaving early aborts it."""
         finished = False
         try:
+            if first is not None:
+                await first
             while not finished:
                 out: RequestOutput = await queue.get()
                 finished = out.finished

@@ -3,15 +3,14 @@ the hand-off frames (encoded to bytes and back), and the decode engine continues
 engine does. A transfer that is corrupt, cut short or has nowhere to go is refused whole, and no block leaks."""
 from __future__ import annotations
 
-import zlib
-
 import msgspec
+import numpy as np
 import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.kv_transfer import KvChunk, KvEnd, KvImportRefused, KvTransferError, decode_frame, \
-    encode_frame
+from engine.kv_transfer import KvChunk, KvEnd, KvImportRefused, KvTransferError, chunk_checksum, decode_frame, \
+    encode_frame, stream_blocks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # a small step budget: a 45-token prompt takes seven steps
@@ -127,12 +126,10 @@ def test_the_decode_side_decodes_from_the_imported_kv(llama_tiny):
     run(pair.prefill)
     receiver = pair.decode.reserve_import(pair.prefill.handoff("tampered"))
     assert receiver.first_block == 0
-    begin, *chunks, _ = pair.prefill.export_kv("tampered", 0)
-    payload = b"".join(c.data for c in chunks)
-    data = (torch.frombuffer(bytearray(payload), dtype=torch.float32) * -1.0).numpy().tobytes()
-    crc = zlib.crc32(data)  # the end's checksum is the CRC of the chunks' CRCs
-    for frame in (msgspec.structs.replace(begin, num_chunks=1), KvChunk("tampered", 0, data, crc),
-                  KvEnd("tampered", 1, zlib.crc32(crc.to_bytes(4, "big")))):
+    held = pair.prefill.handoffs["tampered"]
+    negated = pair.prefill.executor.kv_cache * -1.0  # the frames of other KV, checksummed as any
+    for frame in wire(stream_blocks("tampered", negated, pair.prefill.kv_layout,
+                                    list(pair.prefill.blocks.block_table(held.seq_id)), 0)):
         receiver.receive(frame)
     pair.decode.finish_import(receiver)
     pair.prefill.release_handoff("tampered")
@@ -145,14 +142,28 @@ def corrupt_flip(frames):
     chunk = next(i for i, f in enumerate(frames) if isinstance(f, KvChunk) and f.index == 1)
     data = bytearray(frames[chunk].data)
     data[5] ^= 0x40
-    frames[chunk] = KvChunk(frames[chunk].request_id, 1, bytes(data), frames[chunk].crc32)
+    frames[chunk] = msgspec.structs.replace(frames[chunk], data=bytes(data))
     return frames
 
 
 def corrupt_checksum_of_all(frames):
     end = frames[-1]
-    frames[-1] = KvEnd(end.request_id, end.num_chunks, end.crc32 ^ 1)
+    frames[-1] = KvEnd(end.request_id, end.num_chunks, end.checksum ^ 1)
     return frames
+
+
+def test_the_chunk_checksum_sees_every_flipped_byte_and_a_changed_length():
+    """Over whole 4 KiB rows of 64-bit words (summed by column) and the bytes after them alike."""
+    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 13, dtype=np.uint8)
+    honest = chunk_checksum(data)
+    assert chunk_checksum(data.tobytes()) == chunk_checksum(memoryview(bytearray(data))) == honest
+    for position in range(len(data)):
+        flipped = data.copy()
+        flipped[position] ^= 1 << position % 8
+        assert chunk_checksum(flipped) != honest, position
+    assert chunk_checksum(data[:-1]) != honest and chunk_checksum(np.append(data, 0)) != honest
+    zeros = np.zeros(2 * 4096, dtype=np.uint8)
+    assert chunk_checksum(zeros) != chunk_checksum(zeros[:4096])  # the length counts, even where the sums agree
 
 
 @pytest.mark.parametrize("damage, message", [

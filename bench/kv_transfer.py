@@ -1,0 +1,342 @@
+"""KV hand-off throughput over a loopback TCP socket between two processes, against a plain copy of the same bytes.
+
+    python -m bench.kv_transfer [--models smollm2-135m,llama-3.1-8b] [--dtypes bfloat16,float32]
+                                [--tokens 512,2048,8192] [--chunk-bytes 1048576] [--receiver buffered|streams]
+                                [--repeats 3] [--max-bytes 1073741824]
+
+One request's prompt KV, in a cache of the model's shape whose blocks lie scattered (a shuffled block table), goes
+from a sender process to this one over asyncio on 127.0.0.1. The KV path is the engine's: the sender reads the blocks
+and frames them (`stream_blocks`), writes each frame behind a 4-byte length as the cluster protocol does and drains;
+this side feeds the frames to a `KvReceiver` and, once the transfer is complete and verified, writes them into a
+cache tensor of its own (`write_blocks`). The plain copy sends the same bytes from one contiguous buffer in chunks
+of the same size, unframed and unchecked, into one preallocated buffer here: what the socket and the event loop
+allow these two processes. Each repeat runs the plain copy and then the KV transfer; both are timed on this side,
+from the request to the sender until the last byte is in place; the median of the repeats is reported.
+
+--receiver picks how this side reads, the plain copy and the KV frames alike: `buffered` (an
+`asyncio.BufferedProtocol`: the plain copy lands straight in its destination, the frames in one reused buffer where
+they are decoded in place) or `streams` (`StreamReader.readexactly`, as `cluster.protocol.read_message` does; the
+plain copy's pieces are then copied into the destination). The sender writes with `StreamWriter` in both. The first
+repeat checks that the blocks that landed hold the bytes sent. Payloads above --max-bytes are skipped (this side
+holds each one four times over while checking it). Figures depend on the load of the machine: give the load average.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import statistics
+import struct
+import time
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+
+from engine.kv_transfer import KvEnd, KvLayout, KvReceiver, MAX_CHUNK_BYTES, Handoff, decode_frame, \
+    encode_frame, read_blocks, stream_blocks, write_blocks
+from engine.model_config import DTYPES
+from engine.sampling_params import SamplingParams
+from scheduler.slo import SLO
+
+HEADER = struct.Struct("!I")
+BLOCK_SIZE = 16
+SPARE_BLOCKS = 8  # the cache holds more blocks than the request's, so that its block table is a real scatter
+# (layers, kv heads, head dim) of the models' caches
+SHAPES = {"smollm2-135m": (30, 3, 64), "llama-3.1-8b": (32, 8, 128)}
+
+
+@dataclass(slots=True, frozen=True)
+class Case:
+    model: str
+    dtype: str
+    tokens: int
+
+    @property
+    def layout(self) -> KvLayout:
+        layers, heads, dim = SHAPES[self.model]
+        return KvLayout(layers, heads, dim, BLOCK_SIZE, self.dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.tokens // BLOCK_SIZE)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.num_blocks * self.layout.block_bytes
+
+    def cache(self) -> torch.Tensor:
+        layout = self.layout
+        return torch.empty(layout.num_layers, 2, self.num_blocks + SPARE_BLOCKS, BLOCK_SIZE, layout.num_kv_heads,
+                           layout.head_dim, dtype=DTYPES[self.dtype])
+
+    def block_ids(self) -> list[int]:
+        """The request's block table: the same on both sides, so that the receiver can check what landed."""
+        order = torch.randperm(self.num_blocks + SPARE_BLOCKS, generator=torch.Generator().manual_seed(self.tokens))
+        return order[:self.num_blocks].tolist()
+
+    def handoff(self) -> Handoff:
+        return Handoff(self.label, [0] * self.tokens, 0, SamplingParams(), SLO(1.0, 0.1), "bench", 0.0, 0.0, None,
+                       0, 0, self.layout, self.num_blocks)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.dtype} {self.tokens}"
+
+
+class Command(msgspec.Struct, array_like=True):
+    op: str  # "prepare" (answered with one byte once done), "plain", "kv" or "quit"
+    case: int
+
+
+# ---- the sender process ------------------------------------------------------------------------------------------
+def sender_main(port: int, cases: list[Case], chunk_bytes: int) -> None:
+    asyncio.run(_sender(port, cases, chunk_bytes))
+
+
+async def _sender(port: int, cases: list[Case], chunk_bytes: int) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    current, cache, block_ids, source = -1, None, None, None
+    while True:
+        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        command = msgspec.msgpack.decode(await reader.readexactly(size), type=Command)
+        if command.op == "quit":
+            break
+        case = cases[command.case]
+        if command.case != current:
+            cache = source = None  # the last case's memory goes before the next one's is taken
+            cache, block_ids = case.cache(), case.block_ids()
+            cache.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(command.case))
+            source = memoryview(read_blocks(cache, block_ids))
+            current = command.case
+        if command.op == "prepare":
+            writer.write(b"\x01")
+        elif command.op == "plain":
+            for start in range(0, len(source), chunk_bytes):
+                writer.write(source[start:start + chunk_bytes])
+                await writer.drain()
+        elif command.op == "kv":
+            for frame in stream_blocks(case.label, cache, case.layout, block_ids, 0, chunk_bytes):
+                payload = encode_frame(frame)
+                writer.write(HEADER.pack(len(payload)))
+                writer.write(payload)
+                await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+
+# ---- this side ---------------------------------------------------------------------------------------------------
+class BufferedLink(asyncio.BufferedProtocol):
+    """Reads either raw bytes straight into a destination buffer or length-prefixed frames into one reused buffer,
+    handing each frame to a callback as a view of that buffer (valid during the call)."""
+
+    def __init__(self, max_frame: int):
+        self.buffer = bytearray(2 * (max_frame + HEADER.size))
+        self.view = memoryview(self.buffer)
+        self.max_frame = max_frame
+        self.read = self.filled = 0
+        self.raw: memoryview | None = None  # the destination of a raw copy
+        self.on_frame = None
+        self.done: asyncio.Future | None = None
+        self.transport = None
+        self.connected = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.connected.set_result(None)
+
+    def expect_raw(self, destination: memoryview) -> asyncio.Future:
+        self.raw, self.filled = destination, 0
+        self.done = asyncio.get_running_loop().create_future()
+        return self.done
+
+    def expect_frames(self, on_frame) -> asyncio.Future:
+        """`on_frame(view)` for each frame until it returns True."""
+        self.raw, self.on_frame, self.read, self.filled = None, on_frame, 0, 0
+        self.done = asyncio.get_running_loop().create_future()
+        return self.done
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.raw is not None:
+            return self.raw[self.filled:]
+        if len(self.buffer) - self.filled < self.max_frame + HEADER.size:  # room for a whole frame, always
+            rest = self.filled - self.read
+            self.view[:rest] = self.view[self.read:self.filled]
+            self.read, self.filled = 0, rest
+        return self.view[self.filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.filled += nbytes
+        if self.raw is not None:
+            if self.filled == len(self.raw):
+                self.done.set_result(None)
+            return
+        try:
+            while self.filled - self.read >= HEADER.size:
+                (size,) = HEADER.unpack_from(self.buffer, self.read)
+                if size > self.max_frame:
+                    raise ValueError(f"a frame of {size} bytes is over this link's {self.max_frame}")
+                end = self.read + HEADER.size + size
+                if end > self.filled:
+                    break
+                last = self.on_frame(self.view[self.read + HEADER.size:end])
+                self.read = end
+                if last:
+                    self.done.set_result(None)
+                    return
+        except Exception as e:  # noqa: BLE001 - the measurement reports it
+            self.done.set_exception(e)
+
+    def connection_lost(self, exc) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the sender left mid-transfer"))
+
+
+class StreamLink:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+
+    async def frames(self, on_frame) -> None:
+        while True:
+            (size,) = HEADER.unpack(await self.reader.readexactly(HEADER.size))
+            if on_frame(await self.reader.readexactly(size)):
+                return
+
+
+@dataclass(slots=True)
+class Row:
+    case: Case
+    plain_s: list[float]
+    kv_s: list[float]
+
+    def line(self) -> str:
+        plain, kv = statistics.median(self.plain_s), statistics.median(self.kv_s)
+        size = self.case.payload_bytes
+        return (f"| {self.case.model} | {self.case.dtype} | {self.case.tokens} | {size / 2**20:.1f} | "
+                f"{size / plain / 1e9:.2f} | {size / kv / 1e9:.2f} | {plain / kv * 100:.0f} % | "
+                f"{kv / self.case.tokens * 1e6:.2f} |")
+
+
+async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repeats: int) -> None:
+    """Prints a row per case as it is done."""
+    loop = asyncio.get_running_loop()
+    max_frame = chunk_bytes + 4096
+    accepted = loop.create_future()
+    if receiver_kind == "buffered":
+        link = BufferedLink(max_frame)
+        server = await loop.create_server(lambda: link, "127.0.0.1", 0)
+    else:
+        server = await asyncio.start_server(lambda r, w: accepted.set_result(StreamLink(r, w)), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    process = multiprocessing.get_context("spawn").Process(target=sender_main, args=(port, cases, chunk_bytes))
+    process.start()
+    if receiver_kind == "buffered":
+        await link.connected
+        send = link.transport.write
+    else:
+        link = await accepted
+        send = link.writer.write
+
+    def command(op: str, index: int) -> None:
+        payload = msgspec.msgpack.encode(Command(op, index))
+        send(HEADER.pack(len(payload)) + payload)
+
+    try:
+        for index, case in enumerate(cases):
+            cache, block_ids = case.cache(), case.block_ids()
+            cache.zero_()
+            plain = torch.empty(case.payload_bytes, dtype=torch.uint8)
+            row = Row(case, [], [])
+            command("prepare", index)  # the sender's cache is made outside the timings
+            if receiver_kind == "streams":
+                await link.reader.readexactly(1)
+            else:
+                await link.expect_raw(memoryview(bytearray(1)))
+            for repeat in range(repeats):
+                if receiver_kind == "streams":
+                    plain_s = await _plain_streams(link, command, index, plain, chunk_bytes)
+                else:
+                    start = time.perf_counter()
+                    done = link.expect_raw(memoryview(plain.numpy()))
+                    command("plain", index)
+                    await done
+                    plain_s = time.perf_counter() - start
+                receiver = KvReceiver(case.handoff(), 0, block_ids, 0)
+
+                def on_frame(payload) -> bool:
+                    frame = decode_frame(payload)
+                    receiver.receive(frame)
+                    return isinstance(frame, KvEnd)
+
+                start = time.perf_counter()
+                command("kv", index)
+                if receiver_kind == "streams":
+                    await link.frames(on_frame)
+                else:
+                    await link.expect_frames(on_frame)
+                write_blocks(cache, block_ids, receiver.payload)
+                kv_s = time.perf_counter() - start
+                if repeat == 0:  # what landed is what was sent, in its blocks
+                    assert receiver.complete and torch.equal(receiver.payload, plain)
+                    assert np.array_equal(read_blocks(cache, block_ids), plain.numpy())
+                    cache.zero_()
+                row.plain_s.append(plain_s)
+                row.kv_s.append(kv_s)
+                del receiver
+            print(row.line(), flush=True)
+            del cache, plain
+        command("quit", 0)
+    finally:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+        server.close()
+
+
+async def _plain_streams(link: StreamLink, command, index: int, plain: torch.Tensor, chunk_bytes: int) -> float:
+    """The plain copy read with `readexactly`, each piece copied into the destination."""
+    destination = plain.numpy()
+    start = time.perf_counter()
+    command("plain", index)
+    for offset in range(0, len(destination), chunk_bytes):
+        data = await link.reader.readexactly(min(chunk_bytes, len(destination) - offset))
+        destination[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--tokens", default="512,2048,8192")
+    parser.add_argument("--chunk-bytes", type=int, default=MAX_CHUNK_BYTES)
+    parser.add_argument("--receiver", choices=("buffered", "streams"), default="buffered")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-bytes", type=int, default=1 << 30)
+    args = parser.parse_args(argv)
+    for model in args.models.split(","):
+        if model not in SHAPES:
+            parser.error(f"unknown model {model!r}: one of {', '.join(SHAPES)}")
+    for dtype in args.dtypes.split(","):
+        if dtype not in DTYPES:
+            parser.error(f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    if args.chunk_bytes < 1 or args.repeats < 1:
+        parser.error("--chunk-bytes and --repeats must be positive")
+    tokens = [int(t) for t in args.tokens.split(",") if t.isdigit() and int(t) > 0]
+    if len(tokens) != len(args.tokens.split(",")):
+        parser.error(f"--tokens must be positive integers, got {args.tokens!r}")
+    cases = [Case(m, d, t) for m in args.models.split(",") for d in args.dtypes.split(",") for t in tokens]
+    skipped = [c for c in cases if c.payload_bytes > args.max_bytes]
+    cases = [c for c in cases if c.payload_bytes <= args.max_bytes]
+    for case in skipped:
+        print(f"skipped {case.label}: {case.payload_bytes / 2**20:.0f} MiB is over --max-bytes")
+    print(f"chunks of {args.chunk_bytes} bytes, receiver {args.receiver}, median of {args.repeats}")
+    print("| model | dtype | prompt tokens | MiB | plain copy GB/s | KV transfer GB/s | of plain | "
+          "added TTFT ms / 1k tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    asyncio.run(measure(cases, args.chunk_bytes, args.receiver, args.repeats))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Prefill/decode disaggregation through the router service: a prefill worker runs each prompt to its first token
+and holds its KV, the router places the rest on a decode worker, which pulls the KV over the cluster protocol (an
+authenticated peer connection), imports it and streams on. The text is the co-located engine's token for token; a
+decode worker lost mid-transfer and a corrupt payload cost only delay; no block leaks on either side."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+import pytest
+
+from cluster import protocol as p
+from cluster.router import Router
+from cluster.service import RouterService
+from cluster.worker import Worker
+from engine import LLM, EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.kv_transfer import KvChunk, decode_frame, encode_frame
+from engine.llm import build_engine
+from scheduler.roofline import emulated_latency_model
+
+WAIT_S = 60.0
+
+
+class PdFleet:
+    """Workers of the given roles in this process (instance ids `prefill-0`, `decode-0`, ...), attached to a router
+    service on this event loop."""
+
+    def __init__(self, folder: str, roles: list[str], kv_chunk_bytes: int = 64 << 10, **config):
+        engines = [build_engine(EngineConfig(model=folder, role=role, **config)) for role in roles]
+        self.engines, self.free = {}, {}
+        self.service = RouterService(Router(engines[0].tiers, emulated_latency_model(), shed_late=False),
+                                     heartbeat_timeout_s=30.0, drain_timeout_s=5.0)
+        self.workers: dict[str, Worker] = {}
+        for i, (role, engine) in enumerate(zip(roles, engines)):
+            instance_id = f"{role}-{roles[:i].count(role)}"
+            self.engines[instance_id], self.free[instance_id] = engine, engine.blocks.num_free_blocks()
+            self.workers[instance_id] = Worker(engine, instance_id=instance_id, token=self.service.token,
+                                               heartbeat_s=0.2, kv_chunk_bytes=kv_chunk_bytes)
+
+    async def __aenter__(self) -> "PdFleet":
+        for worker in self.workers.values():
+            await self.service.attach("127.0.0.1", await worker.start())
+        await self.service.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.service.stop()
+        for worker in self.workers.values():
+            await worker.stop()
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> list:
+        tier, slo = self.service.router.tiers.resolve(None)
+        outputs = self.service.generate(request_id, prompt, params, tier.name, slo, time.monotonic())
+        return await asyncio.wait_for(_collect(outputs), WAIT_S)
+
+    async def settled(self, *instance_ids: str) -> None:
+        """Until the engines hold nothing: every block free again, every hand-off released."""
+        deadline = time.monotonic() + WAIT_S
+        while not all(self.engines[i].blocks.num_free_blocks() == self.free[i] and not self.engines[i].handoffs
+                      and not self.engines[i].imports and not self.workers[i].handoffs for i in instance_ids):
+            assert time.monotonic() < deadline, {i: (self.engines[i].blocks.num_free_blocks(), self.free[i])
+                                                 for i in instance_ids}
+            await asyncio.sleep(0.02)
+
+
+async def _collect(outputs) -> list:
+    return [out async for out in outputs]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def joined(outs) -> tuple[list[int], str]:
+    return [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs)
+
+
+def test_prefill_and_decode_workers_give_the_colocated_text(default_model):
+    """SmolLM2: a long prompt prefilled over many chunks and a stop string met on the decode side, each handed off
+    with its KV in many frames; the decode engine never prefills (its KV all came by transfer)."""
+    config = dict(num_kv_blocks=96, max_num_batched_tokens=32, batch_policy="fcfs")
+    reference = LLM(default_model, **config)
+    story = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'grey'][i % 4]} box is on shelf {i * 7 % 13}."
+                     for i in range(16))
+    long_prompt = reference.tokenizer.apply_chat_template(
+        [{"role": "user", "content": story + " Which shelf holds item 5? Answer briefly."}])
+    chat = reference.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours of the sky."}])
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    free_text = reference.generate([chat], greedy)[0].text
+    stopping = SamplingParams(temperature=0, max_tokens=8, stop=[free_text.split()[2]])
+    want = reference.generate([long_prompt, chat], [greedy, stopping])
+    assert len(long_prompt) > 6 * config["max_num_batched_tokens"]
+
+    async def scenario():
+        async with PdFleet(default_model, ["prefill", "decode"], kv_chunk_bytes=256 << 10, **config) as fleet:
+            got = [await fleet.generate("long", long_prompt, greedy), await fleet.generate("stop", chat, stopping)]
+            await fleet.settled("prefill-0", "decode-0")
+            return got, fleet
+
+    got, fleet = run(scenario())
+    for outs, ref in zip(got, want):
+        assert outs[-1].finish_reason == ref.finish_reason
+        assert outs[-1].token_ids == ref.token_ids and outs[-1].text == ref.text
+        assert joined(outs) == (ref.token_ids, ref.text)  # the stream is the whole output, once
+    assert want[1].finish_reason == "stop" and len(want[1].token_ids) > 2  # met on the decode side
+    assert fleet.service.counts["handed_off"] == 2 and not fleet.service.counts["transfer_failed"]
+    prefill, decode = fleet.engines["prefill-0"], fleet.engines["decode-0"]
+    assert max(s.num_prefill_tokens for s in prefill.step_stats) <= config["max_num_batched_tokens"]
+    assert sum(s.num_prefill_tokens for s in prefill.step_stats) >= len(long_prompt)
+    assert not any(s.num_prefill_tokens for s in decode.step_stats)
+    assert any(s.num_decode_seqs for s in decode.step_stats)
+
+
+TINY = dict(num_kv_blocks=48, max_num_batched_tokens=8, batch_policy="fcfs", block_size=8)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPT = [(7 * i + 3) % 300 for i in range(45)]
+
+
+def interpose(worker: Worker, before_send) -> list:
+    """Runs `await before_send(writer, pull, n)` before the worker's n-th KV send (n from 0); returns the pulls."""
+    send, pulls = worker._send_kv, []
+
+    async def wrapped(writer, pull):
+        pulls.append(pull)
+        writer = await before_send(writer, pull, len(pulls) - 1) or writer
+        await send(writer, pull)
+
+    worker._send_kv = wrapped
+    return pulls
+
+
+def test_a_decode_worker_lost_mid_transfer_costs_only_delay(llama_tiny):
+    """The decode worker that pulls dies once its pull began: the request goes to the other decode worker, which
+    pulls the KV the prefill side still holds; the text is the co-located one."""
+    want = LLM(llama_tiny[0], **TINY).generate([PROMPT], GREEDY)[0].token_ids
+
+    async def scenario():
+        async with PdFleet(llama_tiny[0], ["prefill", "decode", "decode"], kv_chunk_bytes=1024, **TINY) as fleet:
+            lost = []
+
+            async def kill_the_puller(writer, pull, n):
+                if n == 0:
+                    lost.append(fleet.service.streams[pull.request_id].routed.instance_id)
+                    await fleet.workers[lost[0]].stop()
+
+            pulls = interpose(fleet.workers["prefill-0"], kill_the_puller)
+            outs = await fleet.generate("r", PROMPT, GREEDY)
+            survivor = ({"decode-0", "decode-1"} - set(lost)).pop()
+            await fleet.settled("prefill-0", survivor)
+            return outs, fleet, pulls, lost
+
+    outs, fleet, pulls, lost = run(scenario())
+    assert outs[-1].finish_reason == "length" and joined(outs)[0] == want
+    assert len(pulls) == 2 and lost[0] not in fleet.service.links
+    assert fleet.service.counts["handed_off"] == 1 and not fleet.service.counts["migrated"]  # not prefilled again
+    assert fleet.service.counts["transfer_failed"] == 1
+
+
+class CorruptingWriter:
+    """A stream writer that flips one byte of the first KV chunk after chunk 0, its checksum left as it was."""
+
+    def __init__(self, writer):
+        self.writer, self.corrupted = writer, False
+
+    def write(self, data: bytes) -> None:
+        msg = p.decode_payload(data[p.HEADER.size:])
+        if not self.corrupted and isinstance(msg, p.KvData):
+            frame = decode_frame(msg.frame)
+            if isinstance(frame, KvChunk) and frame.index == 1:
+                flipped = bytearray(frame.data)
+                flipped[3] ^= 0x10
+                data = p.encode_frame(p.KvData(encode_frame(msgspec.structs.replace(frame, data=bytes(flipped)))))
+                self.corrupted = True
+        self.writer.write(data)
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+
+def test_a_corrupt_payload_closes_the_pull_and_is_retried(llama_tiny, caplog):
+    want = LLM(llama_tiny[0], **TINY).generate([PROMPT], GREEDY)[0].token_ids
+
+    async def scenario():
+        async with PdFleet(llama_tiny[0], ["prefill", "decode"], kv_chunk_bytes=1024, **TINY) as fleet:
+            writers = []
+
+            async def corrupt_first(writer, pull, n):
+                if n == 0:
+                    writers.append(CorruptingWriter(writer))
+                    return writers[0]
+
+            pulls = interpose(fleet.workers["prefill-0"], corrupt_first)
+            outs = await fleet.generate("r", PROMPT, GREEDY)
+            await fleet.settled("prefill-0", "decode-0")
+            return outs, fleet, pulls, writers
+
+    with caplog.at_level(logging.WARNING, logger="cluster.worker"):
+        outs, fleet, pulls, writers = run(scenario())
+    assert writers[0].corrupted and len(pulls) == 2
+    assert any("KV pull of r" in r.message and "chunk 1 fails its checksum" in r.message for r in caplog.records)
+    assert outs[-1].finish_reason == "length" and joined(outs)[0] == want
+    assert fleet.service.counts["transfer_failed"] == 1 and not fleet.service.counts["migrated"]
+
+
+def test_the_prefill_side_gone_means_prefilled_again(llama_tiny):
+    """Every pull refused (the hold is gone: timed out): the stream migrates, prefilled again from its prompt and
+    first token, and still ends as the co-located one."""
+    want = LLM(llama_tiny[0], **TINY).generate([PROMPT], GREEDY)[0].token_ids
+
+    async def scenario():
+        async with PdFleet(llama_tiny[0], ["prefill", "decode"], kv_chunk_bytes=1024, **TINY) as fleet:
+            prefill = fleet.workers["prefill-0"]
+
+            async def time_out_first(writer, pull, n):
+                if n == 0:
+                    prefill._let_go(pull.request_id, "timed out")
+                    await asyncio.sleep(0.2)  # the release reaches the engine
+
+            interpose(prefill, time_out_first)
+            outs = await fleet.generate("r", PROMPT, GREEDY)
+            await fleet.settled("prefill-0", "decode-0")
+            return outs, fleet
+
+    outs, fleet = run(scenario())
+    assert joined(outs)[0] == want and outs[-1].finish_reason == "length"
+    assert fleet.service.counts["migrated"] == 1 and fleet.service.counts["handed_off"] == 2
+
+
+def test_a_full_decode_worker_refuses_and_the_request_waits(llama_tiny):
+    """The decode engine's blocks are taken by a reservation the router does not know of: it refuses the Import
+    before any transfer, the router places it again each tick, and once the blocks are free it goes through."""
+    want = LLM(llama_tiny[0], **TINY).generate([PROMPT], GREEDY)[0].token_ids
+    small = {**TINY, "num_kv_blocks": 12}
+    other = LLM(llama_tiny[0], role="prefill", **small).engine
+    other.add_request("blocker", list(range(1, 61)), GREEDY)
+    while other.has_unfinished():
+        other.step()
+    blocker = other.handoff("blocker")  # 61 tokens: 8 of the 12 blocks, where the request needs 7
+
+    async def scenario():
+        async with PdFleet(llama_tiny[0], ["prefill", "decode"], kv_chunk_bytes=1024, **small) as fleet:
+            decode = fleet.workers["decode-0"].async_engine
+            reservation = await decode.call(Engine.reserve_import, blocker)
+            request = asyncio.create_task(fleet.generate("r", PROMPT, GREEDY))
+            deadline = time.monotonic() + WAIT_S
+            while fleet.service.counts["import_refused"] < 2:
+                assert time.monotonic() < deadline and not request.done()
+                await asyncio.sleep(0.02)
+            await decode.call(Engine.cancel_import, reservation)
+            outs = await request
+            await fleet.settled("prefill-0", "decode-0")
+            return outs, fleet
+
+    outs, fleet = run(scenario())
+    assert joined(outs)[0] == want and outs[-1].finish_reason == "length"
+    assert fleet.service.counts["handed_off"] == 1 and not fleet.service.counts["transfer_failed"]
+
+
+def test_the_hand_off_frames_round_trip():
+    frames = [p.Hello(p.PROTOCOL_VERSION, "prefill-0", 1, 2.0, 64, 16, 4096, 307, False, "model", b"c", "prefill",
+                      4242),
+              p.Prefilled("r", b"\x01\x02", 16), p.Import("r", b"\x01\x02", "10.0.0.2", 4242, -0.5),
+              p.KvPull("r", 3), p.KvData(b"\x00" * 100), p.KvRefused("r", "not held"), p.KvDone("r")]
+    for frame in frames:
+        data = p.encode_frame(frame)
+        assert p.decode_payload(data[p.HEADER.size:]) == frame
+
+
+@pytest.mark.parametrize("policy", ["polyserve", "least-loaded"])
+def test_the_router_places_prompts_on_prefill_and_hand_offs_on_decode_instances(policy):
+    """The pure policy: a new request never goes to a decode instance, a hand-off only to one, and with no decode
+    instance serving the hand-off waits at the head of its queue."""
+    from cluster.fleet import RoutedRequest
+    from cluster.router import Outcome
+
+    tiers = EngineConfig(executor="emulated").tier_set
+    router = Router(tiers, emulated_latency_model(), policy=policy)
+    for instance_id, role in [("p", "prefill"), ("d", "decode")]:
+        router.add_instance(instance_id, 0.0)
+        router.set_role(instance_id, role)
+    with pytest.raises(ValueError, match="role must be one of"):
+        router.set_role("p", "router")
+    router.on_ready("p", 4096, 0.0)
+    slo = tiers.default.slo
+    reqs = [RoutedRequest(f"r{i}", tiers.index(tiers.default.name), tiers.default.name, slo, 0.0, 100, 20)
+            for i in range(3)]
+    assert [router.submit(r, 0.0).instance_id for r in reqs] == ["p"] * 3  # the decode one is not even ready
+    router.on_finished("r0", 1, 0.01, completed=False)
+    assert router.hand_off(reqs[0], 0.01).outcome is Outcome.QUEUED
+    router.on_ready("d", 4096, 0.02)  # the queued hand-off goes to the decode instance as it joins
+    assert reqs[0].instance_id == "d" and reqs[0].num_computed_tokens == 100
+    router.on_finished("r1", 1, 0.03, completed=False)
+    assert router.hand_off(reqs[1], 0.03).instance_id == "d"
+    router.set_role("p", "both")  # a whole-request instance takes new requests, never a hand-off
+    router.on_finished("r2", 1, 0.04, completed=False)
+    assert router.hand_off(reqs[2], 0.04).instance_id == "d"
+    late = RoutedRequest("r3", reqs[0].tier_index, reqs[0].tier, slo, 0.05, 100, 20)
+    assert router.submit(late, 0.05).instance_id == "p"
