@@ -11,7 +11,7 @@ launcher carries the plan out; nothing here reads a clock or starts anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Container, Iterable
 
 from cluster.fleet import Fleet, InstanceStatus
 
@@ -66,8 +66,9 @@ class Autoscaler:
                 return tier
         return None
 
-    def plan(self, fleet: Fleet, waiting_tiers: Iterable[int], now: float) -> ScalePlan:
-        """`waiting_tiers`: tiers with a request that no instance could take (the router's non-empty queues)."""
+    def plan(self, fleet: Fleet, waiting_tiers: Iterable[int], now: float, keep: Container[str] = ()) -> ScalePlan:
+        """`waiting_tiers`: tiers with a request that no instance could take (the router's non-empty queues);
+        `keep`: instances never stopped (a disaggregated fleet's prefill instances, a pool of fixed size)."""
         lim = self.limits
         live = fleet.num_live()
         starting = fleet.count(InstanceStatus.STARTING)
@@ -84,5 +85,6 @@ class Autoscaler:
         excess = min(have_idle - want_idle, live - lim.min_instances)
         if excess <= 0:
             return ScalePlan()
-        stale = sorted((v for v in idle if now - v.since >= lim.stop_after_idle_s), key=lambda v: v.since)
+        stale = sorted((v for v in idle if now - v.since >= lim.stop_after_idle_s and v.instance_id not in keep),
+                       key=lambda v: v.since)
         return ScalePlan(to_stop=tuple(v.instance_id for v in stale[:excess]))

@@ -9,7 +9,12 @@ router has attached yet. A replacement or a new instance is then a connection aw
 imports, weights). They occupy devices like any worker: with GPUs, spares and workers together stay within them.
 
 Every worker of a fleet holds the fleet's shared secret (`token`: given, else random per launcher), which the router
-proves on connecting (cluster/protocol.py)."""
+proves on connecting (cluster/protocol.py).
+
+Prefill/decode disaggregation (`prefill_instances` > 0): a worker starts with role prefill while fewer than that many
+prefill workers are held, else with role decode, so the prefill count stays fixed and the autoscaler's starts and
+stops resize the decode pool. Spares are decode workers: a missing prefill worker is filled by a cold start, as
+`take_spare` gives no spare while one is missing."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +25,7 @@ import signal
 import sys
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Awaitable, Callable, Iterable, Sequence
 
@@ -45,11 +50,15 @@ class Launcher(ABC):
     to it there. Warm spares are kept here; `on_exit`, set by the service, hears of a worker that this launcher
     finds gone (its connection may not know yet)."""
 
-    def __init__(self, *, token: str | None, warm_spares: int):
+    def __init__(self, *, token: str | None, warm_spares: int, prefill_instances: int = 0):
         if warm_spares < 0:
             raise ValueError(f"warm_spares must be non-negative, got {warm_spares}")
+        if prefill_instances < 0:
+            raise ValueError(f"prefill_instances must be non-negative, got {prefill_instances}")
         self.token = token or secrets.token_hex(32)
         self.warm_spares = warm_spares
+        self.prefill_instances = prefill_instances
+        self.roles: dict[str, str] = {}  # instance id -> the engine role it was started with, while it counts
         self.spares: dict[str, tuple[str, int] | None] = {}  # instance id -> its address once ready, oldest first
         self.cold_starts: list[float] = []  # seconds from asking for a worker to its READY, every successful start
         self.on_exit: Callable[[str, str], None] | None = None  # (instance id, why)
@@ -114,13 +123,30 @@ class Launcher(ABC):
             self.spares[instance_id] = address
 
     def take_spare(self) -> tuple[str, tuple[str, int]] | None:
-        """The oldest ready spare, no longer a spare: (its instance id, its address); None if none is ready."""
+        """The oldest ready spare, no longer a spare: (its instance id, its address); None if none is ready, or if a
+        prefill worker is missing (spares are decode workers: the next `start` makes a prefill one)."""
         self._drop_ended_spares()
+        if self.num_prefill_short():
+            return None
         for instance_id, address in self.spares.items():
             if address is not None:
                 del self.spares[instance_id]
                 return instance_id, address
         return None
+
+    def num_prefill_short(self) -> int:
+        """Prefill workers missing from the `prefill_instances` asked for (those starting count as there)."""
+        return max(0, self.prefill_instances - sum(1 for role in self.roles.values() if role == "prefill"))
+
+    def _claim_role(self, instance_id: str, config: EngineConfig) -> EngineConfig:
+        """`config` with the role of the worker about to start (recorded before any await, so that workers started
+        together divide the roles): unchanged without disaggregation; else prefill while one is missing, decode for
+        the rest and for every spare."""
+        if not self.prefill_instances:
+            return config
+        role = "prefill" if instance_id not in self.spares and self.num_prefill_short() else "decode"
+        self.roles[instance_id] = role
+        return replace(config, role=role)
 
     def _drop_ended_spares(self) -> None:
         for instance_id, address in list(self.spares.items()):
@@ -140,14 +166,16 @@ class _Process:
 class LocalLauncher(Launcher):
     def __init__(self, config: EngineConfig, *, gpus: Sequence[str] = (), heartbeat_s: float | None = None,
                  host: str = "127.0.0.1", python: str = sys.executable, ready_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None, warm_spares: int = 0, token: str | None = None):
-        """Every worker's engine is built from `config` (forwarded as its flags) and listens on `host`. `gpus`:
-        device ids, one worker each; empty: no GPU assignment (CPU or emulated). `heartbeat_s`: the workers' (None:
-        their default). `warm_spares`: how many started, unattached workers to keep (`num_spares_short`,
-        `take_spare`). `token`: the fleet's shared secret (None: a random one), passed to the workers in their
-        environment."""
-        super().__init__(token=token, warm_spares=warm_spares)
-        self.worker_args = config.to_args() + ([] if heartbeat_s is None else ["--heartbeat-s", str(heartbeat_s)])
+                 env: dict[str, str] | None = None, warm_spares: int = 0, token: str | None = None,
+                 prefill_instances: int = 0):
+        """Every worker's engine is built from `config` (forwarded as its flags; with `prefill_instances`, its role
+        set per worker: see the module's doc) and listens on `host`. `gpus`: device ids, one worker each; empty: no
+        GPU assignment (CPU or emulated). `heartbeat_s`: the workers' (None: their default). `warm_spares`: how many
+        started, unattached workers to keep (`num_spares_short`, `take_spare`). `token`: the fleet's shared secret
+        (None: a random one), passed to the workers in their environment."""
+        super().__init__(token=token, warm_spares=warm_spares, prefill_instances=prefill_instances)
+        self.config = config
+        self.heartbeat_args = [] if heartbeat_s is None else ["--heartbeat-s", str(heartbeat_s)]
         self.gpus, self.host, self.python = list(gpus), host, python
         self.ready_timeout_s = ready_timeout_s
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {}), TOKEN_ENV: self.token}
@@ -185,12 +213,17 @@ class LocalLauncher(Launcher):
             if gpu is None:
                 raise LaunchError(f"every GPU ({', '.join(self.gpus)}) already runs a worker")
             env = {**env, "CUDA_VISIBLE_DEVICES": gpu}
+        config = self._claim_role(instance_id, self.config)
         spawned = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            self.python, "-m", "cluster.worker", "--host", self.host, "--port", "0", "--instance-id", instance_id,
-            "--parent-pid", str(os.getpid()), *self.worker_args,
-            cwd=str(REPO_ROOT), env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            start_new_session=True)  # a terminal's Ctrl-C reaches the router alone, which drains the workers
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self.python, "-m", "cluster.worker", "--host", self.host, "--port", "0", "--instance-id",
+                instance_id, "--parent-pid", str(os.getpid()), *config.to_args(), *self.heartbeat_args,
+                cwd=str(REPO_ROOT), env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                start_new_session=True)  # a terminal's Ctrl-C reaches the router alone, which drains the workers
+        except BaseException:
+            self.roles.pop(instance_id, None)
+            raise
         self.processes[instance_id] = _Process(proc, gpu, spawned)
         try:
             port = await asyncio.wait_for(self._read_port(proc), self.ready_timeout_s)
@@ -229,7 +262,8 @@ class LocalLauncher(Launcher):
         return None if p is None else p.spawned
 
     def kill(self, instance_id: str) -> None:
-        """SIGKILL, for a worker that died or hangs; `stop` reaps it."""
+        """SIGKILL, for a worker that died or hangs; `stop` reaps it. Its role is free for the next start."""
+        self.roles.pop(instance_id, None)
         p = self.processes.get(instance_id)
         if p is not None and p.proc.returncode is None:
             try:
@@ -255,6 +289,7 @@ class LocalLauncher(Launcher):
 
     async def _reap(self, instance_id: str) -> int | None:
         self.spares.pop(instance_id, None)
+        self.roles.pop(instance_id, None)
         p = self.processes.pop(instance_id, None)
         if p is None:
             return None

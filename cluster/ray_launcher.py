@@ -88,8 +88,9 @@ class WorkerActor:
 class RayLauncher(Launcher):
     def __init__(self, config: EngineConfig, *, heartbeat_s: float | None = None, warm_spares: int = 0,
                  token: str | None = None, host: str | None = None, num_cpus: float | None = None,
-                 placement_timeout_s: float = 30.0, ready_timeout_s: float = 300.0):
-        """Workers built from `config`, on the Ray cluster this process is connected to (`ray.init` first).
+                 placement_timeout_s: float = 30.0, ready_timeout_s: float = 300.0, prefill_instances: int = 0):
+        """Workers built from `config` (with `prefill_instances`, its role set per worker: see cluster/launcher.py),
+        on the Ray cluster this process is connected to (`ray.init` first).
         `host`: the interface each worker listens on (None: its machine's address as Ray knows it). `num_cpus`:
         each worker's CPU share (None: `worker_resources`' default). `placement_timeout_s`: how long Ray may take
         to find a machine with room for a worker before its start fails with PlacementError; with a Ray autoscaler
@@ -99,7 +100,7 @@ class RayLauncher(Launcher):
             raise RuntimeError("RayLauncher needs a Ray connection: call ray.init() first")
         if not (placement_timeout_s > 0 and ready_timeout_s > 0):
             raise ValueError("placement_timeout_s and ready_timeout_s must be positive")
-        super().__init__(token=token, warm_spares=warm_spares)
+        super().__init__(token=token, warm_spares=warm_spares, prefill_instances=prefill_instances)
         self.config, self.heartbeat_s, self.host = config, heartbeat_s, host
         self.resources = worker_resources(config, num_cpus)
         self.placement_timeout_s, self.ready_timeout_s = placement_timeout_s, ready_timeout_s
@@ -127,8 +128,13 @@ class RayLauncher(Launcher):
         if instance_id in self.actors:
             raise LaunchError(f"instance {instance_id!r} is already running")
         asked = time.monotonic()
-        actor = self._actor_class.options(max_restarts=0, **self.resources).remote(
-            self.config, self.heartbeat_s, self.token, self.host)
+        config = self._claim_role(instance_id, self.config)
+        try:
+            actor = self._actor_class.options(max_restarts=0, **self.resources).remote(
+                config, self.heartbeat_s, self.token, self.host)
+        except BaseException:
+            self.roles.pop(instance_id, None)
+            raise
         self.actors[instance_id] = actor
         try:
             try:
@@ -168,6 +174,7 @@ class RayLauncher(Launcher):
             self.on_exit(instance_id, reason)
 
     def kill(self, instance_id: str) -> None:
+        self.roles.pop(instance_id, None)
         actor = self.actors.get(instance_id)
         if actor is not None:
             self._ending.add(instance_id)
@@ -190,6 +197,7 @@ class RayLauncher(Launcher):
 
     def _drop(self, instance_id: str) -> None:
         self.spares.pop(instance_id, None)
+        self.roles.pop(instance_id, None)
         self.actors.pop(instance_id, None)
         self.nodes.pop(instance_id, None)
         self._ending.discard(instance_id)

@@ -4,6 +4,7 @@
     python -m cluster.serve --gpus 0,1,2,3 --device cuda --tiers tight:20:250,batch:250:5000
     python -m cluster.serve --host 0.0.0.0 --api-key secret --executor emulated  # clients: Bearer secret
     python -m cluster.serve --launcher ray --ray-address auto --device cuda --max-instances 64  # on a Ray cluster
+    python -m cluster.serve --executor emulated --prefill-instances 1 --min-instances 2 --max-instances 4  # PD
 
 Engines are `python -m cluster.worker` processes started by the launcher, each built from the same engine flags
 (`EngineConfig`, forwarded whole). The local launcher starts them on this machine: one per GPU with --gpus, else
@@ -16,6 +17,11 @@ H200 (what an emulated engine sleeps), times --time-scale. Baseline router polic
 --min-instances. The HTTP flags (--host, --api-key, ...) are engine.serve's; the router talks to its engines over the
 cluster protocol, which the API key does not cover and which is not encrypted: bind workers (--worker-host) to a
 trusted network.
+
+Prefill/decode disaggregation: with --prefill-instances N, both launchers start N engines with role prefill and the
+rest with role decode (the engines' --role is theirs to set, so it is not a flag here). The prefill count stays at
+N: --min-instances and --max-instances count all engines, and the autoscaler's starts and stops resize the decode
+pool (it never stops a prefill engine; a dead one is replaced by a prefill engine). Warm spares are decode engines.
 """
 from __future__ import annotations
 
@@ -47,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-instances", type=int, default=1)
     ap.add_argument("--max-instances", type=int, default=4)
     ap.add_argument("--idle-pool", type=int, default=1, help="warm idle instances to keep ready")
+    ap.add_argument("--prefill-instances", type=int, default=0,
+                    help="prefill/decode disaggregation: this many engines run prompts only and hand each request "
+                         "off at its first token to the others, decode engines (default 0: every engine does "
+                         "both); a fixed count, counted in --min-instances, which must leave a decode engine")
     ap.add_argument("--min-per-tier", type=int, default=0)
     ap.add_argument("--max-per-tier", type=int, default=None)
     ap.add_argument("--stop-after-idle-s", type=float, default=5.0,
@@ -89,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_backend(args: argparse.Namespace) -> RouterBackend:
     """Everything but the HTTP app: engine config, latency model, router, autoscaler, launcher, service, backend."""
     config = EngineConfig.from_args(args)
+    check_prefill_instances(args, config)
     latency_model = config.known_latency_model() or emulated_latency_model(config.time_scale)
     baseline = args.router_policy != "polyserve"
     limits = ScalingLimits(
@@ -119,14 +130,26 @@ def build_launcher(args: argparse.Namespace, config: EngineConfig, max_instances
         if not ray.is_initialized():
             ray.init(address=args.ray_address)
         return RayLauncher(config, token=token, host=args.worker_host, num_cpus=args.ray_worker_cpus,
-                           placement_timeout_s=args.ray_placement_timeout_s,
+                           placement_timeout_s=args.ray_placement_timeout_s, prefill_instances=args.prefill_instances,
                            warm_spares=warm_spares(args.warm_spares, max_instances, 0))
     if args.ray_address is not None or args.ray_worker_cpus is not None:
         raise ValueError("--ray-address and --ray-worker-cpus need --launcher ray")
     if gpus and max_instances > len(gpus):
         raise ValueError(f"--max-instances {max_instances} exceeds the {len(gpus)} GPUs of --gpus")
     return LocalLauncher(config, gpus=gpus, host=args.worker_host or "127.0.0.1", token=token,
+                         prefill_instances=args.prefill_instances,
                          warm_spares=warm_spares(args.warm_spares, max_instances, len(gpus)))
+
+
+def check_prefill_instances(args: argparse.Namespace, config: EngineConfig) -> None:
+    """The launcher gives each engine its role: one role for all would leave requests no engine can finish."""
+    if config.role != "both":
+        raise ValueError(f"--role {config.role} would give every engine one role; use --prefill-instances N for N "
+                         "prefill engines and decode engines for the rest")
+    n = args.prefill_instances
+    if n < 0 or (n and n >= args.min_instances):
+        raise ValueError(f"--prefill-instances {n} must be non-negative and, when set, below --min-instances "
+                         f"{args.min_instances}, which counts the prefill engines and at least one decode engine")
 
 
 def warm_spares(asked: int | None, max_instances: int, num_gpus: int) -> int:
@@ -145,10 +168,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     backend = build_backend(args)
     app = build_http_app(backend, args)
-    logging.getLogger(__name__).info("router policy %s, tiers %s, instances %d..%d, idle pool %d, warm spares %d, "
-                                     "executor %s, %s launcher", args.router_policy, args.tiers, args.min_instances,
-                                     args.max_instances, args.idle_pool, backend.service.launcher.warm_spares,
-                                     args.executor, args.launcher)
+    logging.getLogger(__name__).info("router policy %s, tiers %s, instances %d..%d (%d prefill), idle pool %d, "
+                                     "warm spares %d, executor %s, %s launcher", args.router_policy, args.tiers,
+                                     args.min_instances, args.max_instances, args.prefill_instances, args.idle_pool,
+                                     backend.service.launcher.warm_spares, args.executor, args.launcher)
     asyncio.run(serve_forever(app, args.host, args.port))
 
 

@@ -621,7 +621,8 @@ class RouterService:
         autoscaler = self.router.autoscaler
         if autoscaler is None or self._stopping:
             return
-        plan = autoscaler.plan(self.router.fleet, self.router.waiting_tiers(), now)
+        prefill = [instance_id for instance_id, role in self.router.roles.items() if role == "prefill"]
+        plan = autoscaler.plan(self.router.fleet, self.router.waiting_tiers(), now, keep=prefill)
         launcher = self.launcher
         if plan.num_to_start and launcher is not None:
             for _ in range(plan.num_to_start):

@@ -571,6 +571,8 @@ def test_autoscaler_plan():
     router.on_ready("c", CAPACITY, 3.0)
     assert auto.plan(router.fleet, [], 5.0) == ScalePlan()  # b and c idle: one too many, but not idle long enough
     assert auto.plan(router.fleet, [], 12.5) == ScalePlan(to_stop=("b",))  # the longest idle goes
+    assert auto.plan(router.fleet, [], 13.5, keep={"b"}) == ScalePlan(to_stop=("c",))  # b kept (a prefill engine)
+    assert auto.plan(router.fleet, [], 13.5, keep={"b", "c"}) == ScalePlan()
     router.start_draining("b", 12.5)
     router.remove_instance("b", 13.0)
     router.on_lost("a", 14.0)  # a dies: only c is left, in the pool
