@@ -64,6 +64,7 @@ class SimRequest:
     num_preemptions: int = 0
     host_tier: str = ""  # the tier of that instance when placed (differs from `tier` when promoted)
     token_times: list[float] | None = None  # every emit time, kept only when asked (tests, calibration)
+    token_instances: list[str] | None = None  # with token_times: the instance that emitted each token
     tally: "MissTally | None" = None  # counted once, the first time one of its tokens is late
     standing: int = ON_TIME  # as its instance's headroom reads it (`scheduler.headroom`)
     first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
@@ -129,10 +130,13 @@ class SimInstance:
                  headroom: Headroom, num_blocks: int, block_size: int,
                  schedule_event: Callable[["SimInstance", float], None],
                  on_finish: Callable[["SimInstance", list[SimRequest], float], None], fast_forward: bool = True,
-                 instance_id: str = "", report_every: int = 1):
+                 instance_id: str = "", report_every: int = 1,
+                 on_prefilled: Callable[["SimInstance", list[SimRequest], float], None] | None = None):
         """`truth` gives every step's time; as the engine does, the instance feeds each measured step to
         `latency_model` and each request's outcome to `headroom` (what its policy plans with, if it plans).
-        `report_every` > 1: keep `report`, what a worker coalescing its reports so would last have sent."""
+        `report_every` > 1: keep `report`, what a worker coalescing its reports so would last have sent.
+        With `on_prefilled` it is a prefill instance: a request leaves at its first token (unless that is its last)
+        and is handed to `on_prefilled`, its KV blocks still held here until `release_blocks`."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         if report_every < 1:
@@ -147,7 +151,7 @@ class SimInstance:
         self.instance_id = instance_id or f"i{index}"
         self.block_size, self.num_total_blocks = block_size, num_blocks
         self.free_blocks = num_blocks
-        self.schedule_event, self.on_finish = schedule_event, on_finish
+        self.schedule_event, self.on_finish, self.on_prefilled = schedule_event, on_finish, on_prefilled
         self.fast_forward = fast_forward
         self.waiting: list[SimRequest] = []  # arrival order, as the engine keeps it
         self.running: list[SimRequest] = []  # admission order
@@ -200,6 +204,22 @@ class SimInstance:
         self._material = True
         if self.state == IDLE:
             self._set_event(now)  # at `now`, after every other arrival at `now` (the simulator orders them so)
+
+    def reserve_blocks(self, num_blocks: int, now: float) -> bool:
+        """Blocks for a request's imported KV, taken now if free (a decode run in flight is cut first: its steps
+        were laid out against the blocks free when it started)."""
+        if self.state == RUN:
+            self._cut_run(now)
+        if num_blocks > self.free_blocks:
+            return False
+        self.free_blocks -= num_blocks
+        return True
+
+    def release_blocks(self, num_blocks: int, now: float) -> None:
+        """A handed-off request's KV has been pulled: its blocks are free, and a request that did not fit may now."""
+        self.free_blocks += num_blocks
+        if self.state == IDLE and self.waiting:
+            self._set_event(now)
 
     def on_event(self, t: float) -> None:
         if self.state == STEP:
@@ -288,24 +308,35 @@ class SimInstance:
 
     def _finish_step(self, t: float) -> None:
         finished = []
+        prefilled = []
         note_token = self.headroom.note_token
         material = self._material
+        hands_off = self.on_prefilled is not None
         for req, n in self._items:
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:
                 first = req.num_output_tokens == 0
                 material |= first
                 req.standing = note_token(req.standing, first, req.emit(t) > 0)
+                if req.token_instances is not None:
+                    req.token_instances.append(self.instance_id)
                 if req.num_output_tokens >= req.output_len:
                     finished.append(req)
+                elif hands_off:
+                    prefilled.append(req)
         self._items = []
         self._record_step(self._step_start, t - self._step_start, *self._step_shape)
+        if prefilled:
+            gone = {id(r) for r in prefilled}
+            self.running = [r for r in self.running if id(r) not in gone]
         if finished:
             self._release(finished)
             self._step_reported(True)
             self.on_finish(self, finished, t)
         else:
-            self._step_reported(material)
+            self._step_reported(material or bool(prefilled))
+        if prefilled:
+            self.on_prefilled(self, prefilled, t)
 
     def _step_reported(self, material: bool) -> None:
         """One more step: sent now under the rule, or held."""
@@ -445,6 +476,8 @@ class SimInstance:
                 free -= need
             if r.token_times is not None:
                 r.token_times.extend(ends[a:k])
+                if r.token_instances is not None:
+                    r.token_instances.extend([self.instance_id] * steps)
         self.free_blocks = free
         record = self._record_step
         b = len(self.running)

@@ -11,11 +11,18 @@ It is what cluster/service.py does with messages, done with method calls:
   report, so it sees exactly what it would have seen from one report per step; with `report_every_steps` > 1 it
   hears what workers coalescing their reports so would have sent last (cluster/step_reports.py's rule), and of
   the steps since, nothing yet;
+- prefill/decode disaggregation (`prefill_instances` > 0): a request's first token comes out on a prefill instance,
+  which the router then hears it left (`on_finished`, not completed) and hands off (`router.hand_off`) as the service
+  does on Prefilled; placed on a decode instance, that one takes the blocks of the prompt's KV at once or refuses
+  (then the hand-off is tried again at the next tick, as the service does), the KV arrives after the link's transfer
+  time (cluster/sim/transfer.py) and the request joins that instance's queue with its prompt computed; the prefill
+  instance frees its blocks as the transfer ends; queued, the hand-off waits in the router's queue;
 - a finish is `router.on_finished`, then `retry_queued`; a periodic tick (the service's 50 ms) retries the queues
   and asks the autoscaler for a plan: instances it starts are ready after `cold_start_s`, the ones it stops drain
   first and are removed once empty.
-Events at the same instant run arrivals first, then step boundaries, then ticks: a request arriving as a step ends
-joins the next step, as it would in the engine (it reads its queue between steps).
+Events at the same instant run arrivals first, then transfer ends, then step boundaries, then ticks: a request
+arriving (or imported) as a step ends joins the next step, as it would in the engine (it reads its queue between
+steps).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from cluster.autoscaler import Autoscaler, ScalingLimits
 from cluster.fleet import InstanceStatus, RoutedRequest
 from cluster.router import InstanceReport, Outcome, Router
 from cluster.sim.instance import IDLE, MissTally, SimInstance, SimRequest
+from cluster.sim.transfer import LINKS, transfer_model
 from cluster.sim.workload import REFUSED, Workload
 from scheduler.headroom import Headroom
 from scheduler.latency_model import LatencyModel
@@ -40,7 +48,7 @@ from scheduler.prediction_error import EXACT, PredictionError, StepTruth
 from scheduler.roofline import kv_blocks_for_gpu
 from scheduler.types import BatchPolicy
 
-ARRIVAL, STEP_EVENT, READY_EVENT, TICK = 0, 1, 2, 3  # same-instant order
+ARRIVAL, TRANSFER_END, STEP_EVENT, READY_EVENT, TICK = 0, 1, 2, 3, 4  # same-instant order
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,6 +80,10 @@ class SimConfig:
     max_tokens_cap: int = 4096  # otherwise every request's max_tokens
     expected_output_tokens: float | None = None  # the router's prior; None: the workload's mean output
     seed: int = 0  # the router's own randomness (the random baseline) and, with the instance's index, its step times
+    # prefill/decode disaggregation: the first `prefill_instances` instances run prompts and hand requests off at
+    # their first token, the rest decode them; 0: every instance does both
+    prefill_instances: int = 0
+    transfer: str = "nvlink"  # the link a hand-off's KV crosses: a preset of cluster.sim.transfer.LINKS
 
     def __post_init__(self):
         if self.engine_policy not in BATCH_POLICIES:
@@ -87,6 +99,17 @@ class SimConfig:
             raise ValueError("max_prefill_chunk cannot exceed max_num_batched_tokens")
         if self.report_every_steps < 1:
             raise ValueError(f"report_every_steps must be positive, got {self.report_every_steps}")
+        if self.transfer not in LINKS:
+            raise ValueError(f"transfer must be one of {', '.join(LINKS)}, got {self.transfer!r}")
+        if self.prefill_instances < 0:
+            raise ValueError(f"prefill_instances must be non-negative, got {self.prefill_instances}")
+        if self.prefill_instances:
+            if self.autoscale is not None:
+                raise ValueError("prefill_instances needs a fixed fleet: the simulator's autoscaler does not size "
+                                 "prefill and decode pools")
+            if self.prefill_instances >= self.num_instances:
+                raise ValueError(f"prefill_instances {self.prefill_instances} leaves no decode instance among "
+                                 f"{self.num_instances}")
 
     @property
     def kv_blocks(self) -> int:
@@ -123,6 +146,8 @@ class SimResult:
     wall_s: float
     aborted: bool = False  # stopped by give_up_below: the window's attainment is below it (unfinished = missed)
     token_times: list[list[float]] | None = None
+    token_instances: list[list[str]] | None = None  # with token_times: the instance that emitted each token
+    handed_off: np.ndarray | None = None  # PD mode, bool: its KV moved from a prefill to a decode instance
 
     def attainment(self, window: tuple[float, float] | None = None, view: str = "cumulative") -> float:
         """Fraction of requests arriving in `window` that attained their SLO (refused ones count as missed)."""
@@ -176,7 +201,7 @@ class Simulator:
                       queue_limit=cfg.queue_limit, shed_late=cfg.shed_late, max_prefill_chunk=cfg.max_prefill_chunk,
                       expected_output_tokens=expected_output, seed=cfg.seed, **self.router_kwargs)
 
-    def _new_instance(self, now: float) -> str:
+    def _new_instance(self, now: float, prefill: bool = False) -> str:
         instance_id = f"i{self._next_instance}"
         self._next_instance += 1
         index = len(self._by_index)
@@ -188,11 +213,14 @@ class Simulator:
         headroom = Headroom()
         inst = SimInstance(index, self.policy_factory(learned, headroom), truth, learned, headroom, cfg.kv_blocks,
                            cfg.block_size, self._push_step_event, self._on_finish, fast_forward=cfg.fast_forward,
-                           instance_id=instance_id, report_every=cfg.report_every_steps)
+                           instance_id=instance_id, report_every=cfg.report_every_steps,
+                           on_prefilled=self._on_prefilled if prefill else None)
         self._by_index.append(inst)
         self.instances[instance_id] = inst
         self._reported.append(-1)
         self.router.add_instance(instance_id, now)
+        if self.config.prefill_instances:
+            self.router.set_role(instance_id, "prefill" if prefill else "decode")
         self._live_since[instance_id] = now
         return instance_id
 
@@ -221,6 +249,15 @@ class Simulator:
         self._unfinished = 0
         self._pending_ready = 0
         self._tally = MissTally()
+        # PD mode: per request id, the routed request (what a hand-off places again) and, once prefilled until its
+        # KV has arrived, the prefill instance holding its blocks and how many
+        self._routed: dict[str, RoutedRequest] = {}
+        self._prefilled: dict[str, tuple[SimInstance, int]] = {}
+        self._refused_imports: list[SimRequest] = []
+        self._handed_off: set[str] = set()
+        self._transfers = 0
+        self._num_refused_imports = 0
+        self._transfer = transfer_model(cfg.transfer)
         if window is not None:
             in_window = (workload.arrivals >= window[0]) & (workload.arrivals < window[1])
             self._tally.missed = int(np.count_nonzero(in_window & (workload.tier_index == REFUSED)))
@@ -231,8 +268,8 @@ class Simulator:
         expected = cfg.expected_output_tokens or (float(workload.output_lens.mean()) if len(workload) else 128.0)
         self.router = router = self._build_router(expected)
         capacity = cfg.kv_blocks * cfg.block_size
-        for _ in range(cfg.num_instances):
-            instance_id = self._new_instance(0.0)
+        for k in range(cfg.num_instances):
+            instance_id = self._new_instance(0.0, prefill=k < cfg.prefill_instances)
             self._dispatch(router.on_ready(instance_id, capacity, 0.0))
         if cfg.autoscale is not None:
             self._autoscale(0.0)
@@ -274,6 +311,7 @@ class Simulator:
                 sreq = SimRequest(f"r{i - 1}", t, tier.slo, tier.name, prompts[i - 1], max_tokens, out)
                 if cfg.record_token_times:
                     sreq.token_times = []
+                    sreq.token_instances = []
                 if window is not None and window[0] <= t < window[1]:
                     sreq.tally = self._tally
                 requests[i - 1] = sreq
@@ -285,6 +323,8 @@ class Simulator:
                 inst, version = payload
                 if version == inst.version:
                     inst.on_event(t)
+            elif kind == TRANSFER_END:
+                self._import(*payload, t)
             elif kind == TICK:
                 if self._tally.missed > allowed:
                     aborted = True
@@ -302,7 +342,8 @@ class Simulator:
     def _stalled(self) -> bool:
         """Nothing can move any more: no instance steps, none is starting, and the queues found no place (a
         request whose KV cannot fit anywhere). Its requests stay unfinished and count as missed."""
-        return self._pending_ready == 0 and all(inst.event_time == math.inf for inst in self._by_index)
+        return self._pending_ready == 0 and self._transfers == 0 and not self._refused_imports \
+            and all(inst.event_time == math.inf for inst in self._by_index)
 
     def _push(self, t: float, kind: int, payload) -> None:
         self._seq += 1
@@ -321,6 +362,8 @@ class Simulator:
         routed = RoutedRequest(request_id=sreq.request_id, tier_index=tier_index, tier=sreq.tier, slo=sreq.slo,
                                arrival=sreq.arrival, num_prompt_tokens=sreq.num_prompt_tokens,
                                max_tokens=sreq.max_tokens)
+        if self.config.prefill_instances:
+            self._routed[sreq.request_id] = routed
         self._sync_reports(now)
         decision = self.router.submit(routed, now)
         if decision.outcome is Outcome.PLACED:
@@ -336,7 +379,62 @@ class Simulator:
     def _place(self, sreq: SimRequest, instance_id: str, now: float) -> None:
         view = self.router.fleet.instances[instance_id]
         sreq.host_tier = self.tiers[view.tier].name if view.tier is not None else ""
-        self.instances[instance_id].enqueue(sreq, now)
+        if sreq.request_id in self._prefilled:
+            self._start_transfer(sreq, instance_id, now)
+        else:
+            self.instances[instance_id].enqueue(sreq, now)
+
+    # ---- prefill/decode hand-offs ------------------------------------------------------------------------------
+    def _on_prefilled(self, inst: SimInstance, prefilled: list[SimRequest], now: float) -> None:
+        """Requests that left prefill instance `inst` at their first token, their KV still held there."""
+        self._sync_reports(now)
+        router = self.router
+        for sreq in prefilled:
+            self._prefilled[sreq.request_id] = (inst, sreq.num_blocks)
+            self._handed_off.add(sreq.request_id)
+            sreq.num_blocks = 0  # the blocks it will hold are the decode instance's
+            router.on_finished(sreq.request_id, sreq.num_output_tokens, now, completed=False)
+            self._hand_off(sreq, now)
+        if router.waiting_tiers():
+            self._dispatch(router.retry_queued(now))
+
+    def _hand_off(self, sreq: SimRequest, now: float) -> None:
+        decision = self.router.hand_off(self._routed[sreq.request_id], now)
+        if decision.outcome is Outcome.PLACED:
+            self._place(sreq, decision.instance_id, now)
+        elif decision.outcome is not Outcome.QUEUED:  # no decode instance at all: the stream ends in an error
+            self._free_prefill_blocks(sreq, now)
+            self._unfinished -= 1
+            self._rejected.add(sreq.request_id)
+            if sreq.tally is not None and sreq.worst_lateness <= 0:
+                sreq.tally.missed += 1
+
+    def _start_transfer(self, sreq: SimRequest, instance_id: str, now: float) -> None:
+        """Placed on decode instance `instance_id`: it takes the blocks of the prompt's KV, or refuses (then the
+        router hears the request left it, and the hand-off is tried again at the next tick)."""
+        need = -(-sreq.num_prompt_tokens // self.config.block_size)
+        decode = self.instances[instance_id]
+        if not decode.reserve_blocks(need, now):
+            self.router.on_finished(sreq.request_id, sreq.num_output_tokens, now, completed=False)
+            self._refused_imports.append(sreq)
+            self._num_refused_imports += 1
+            return
+        sreq.num_blocks = need
+        self._transfers += 1
+        self._push(now + self._transfer.seconds(sreq.num_prompt_tokens), TRANSFER_END, (sreq, decode))
+
+    def _import(self, sreq: SimRequest, decode: SimInstance, now: float) -> None:
+        """The KV arrived: the prefill instance frees its blocks, and the request joins the decode instance."""
+        self._transfers -= 1
+        self._free_prefill_blocks(sreq, now)
+        decode.enqueue(sreq, now)
+
+    def _free_prefill_blocks(self, sreq: SimRequest, now: float) -> None:
+        """The prefill instance holding `sreq`'s KV frees it and says so, as a worker does after a step-less
+        change."""
+        prefill, held = self._prefilled.pop(sreq.request_id)
+        prefill.release_blocks(held, now)
+        self.router.on_load(prefill.instance_id, prefill.num_total_blocks - prefill.free_blocks)
 
     def _dispatch(self, placements) -> None:
         for p in placements:
@@ -386,6 +484,11 @@ class Simulator:
     # ---- fleet -----------------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
         router = self.router
+        if self._refused_imports:
+            self._sync_reports(now)
+            refused, self._refused_imports = self._refused_imports, []
+            for sreq in refused:
+                self._hand_off(sreq, now)
         if router.waiting_tiers():
             self._sync_reports(now)
             self._dispatch(router.retry_queued(now))
@@ -459,9 +562,15 @@ class Simulator:
             tier_names=tuple(t.name for t in self.tiers), end_time=self._now,
             instance_seconds=self._instance_seconds, samples=samples,
             counts={**dict(self.router.counts), "rejected": len(self._rejected),
-                    "refused_at_admission": workload.num_refused},
+                    "refused_at_admission": workload.num_refused,
+                    **({"handed_off": len(self._handed_off), "import_refused": self._num_refused_imports}
+                       if self.config.prefill_instances else {})},
             num_steps=sum(i.num_steps for i in insts), num_policy_calls=sum(i.num_policy_calls for i in insts),
             wall_s=wall_s, aborted=aborted,
             token_times=[(r.token_times if r is not None else None) for r in requests]
-            if self.config.record_token_times else None)
+            if self.config.record_token_times else None,
+            token_instances=[(r.token_instances if r is not None else None) for r in requests]
+            if self.config.record_token_times else None,
+            handed_off=np.array([r is not None and r.request_id in self._handed_off for r in requests],
+                                dtype=bool) if self.config.prefill_instances else None)
 
