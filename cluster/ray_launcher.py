@@ -9,9 +9,16 @@ held by the process Ray knows, and the worker ends with its actor, with nothing 
 shares with the engine is Ray's core-worker threads, which are native code and idle between calls.
 
 A worker's end is heard here from Ray (its actor, or the actor's machine, died) and passed to `on_exit`, so the
-service handles it whether the socket or Ray tells first. An actor that Ray cannot place within
-`placement_timeout_s` (no machine has the resources free) is cancelled and its start raises `PlacementError`, on
-which the service stops asking for a while.
+service handles it whether the socket or Ray tells first. Each worker's resources are reserved first, as a placement
+group of one bundle that its actor then runs in: a reservation Ray cannot make within `placement_timeout_s` (no
+machine has the resources free) is removed and the start raises `PlacementError`, on which the service stops asking
+for a while; the actor's process start, imports and weights count against `ready_timeout_s` only.
+
+Ray lowers its worker processes' priority (niceness 15) by default, so that its own daemons stay responsive. An engine
+worker is the latency-critical process on its machine: at niceness 15 any other busy process there starves its step
+loop (and its start: importing torch then takes a minute where it takes seconds). `connect_ray` starts local Ray
+clusters with workers at normal priority; a cluster started with `ray start` needs `RAY_worker_niceness=0` in the
+environment of each node's `ray start` (deploy/ray-cluster.yaml does this).
 """
 from __future__ import annotations
 
@@ -23,6 +30,8 @@ from typing import Iterable
 
 import ray
 from ray.exceptions import RayActorError, RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.launcher import Launcher, LaunchError, PlacementError
 from cluster.worker import Worker
@@ -36,6 +45,14 @@ log = logging.getLogger(__name__)
 EMULATED_WORKER_CPUS = 0.25
 CPU_WORKER_CPUS = 1.0
 GPU_WORKER_CPUS = 1.0  # host work of a GPU engine: batch building, sampling, detokenizing
+RAY_RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU"}  # an actor's option -> a placement bundle's key
+
+
+def connect_ray(address: str | None = None, **init_args) -> None:
+    """`ray.init`, with the workers of a Ray cluster it starts here at normal priority (see the module's doc); on
+    connecting to a running cluster, that cluster's setting holds."""
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(address=address, **init_args)
 
 
 def worker_resources(config: EngineConfig, num_cpus: float | None = None) -> dict[str, float]:
@@ -106,6 +123,7 @@ class RayLauncher(Launcher):
         self.placement_timeout_s, self.ready_timeout_s = placement_timeout_s, ready_timeout_s
         self._actor_class = ray.remote(WorkerActor)
         self.actors: dict[str, ray.actor.ActorHandle] = {}
+        self.groups: dict[str, PlacementGroup] = {}  # instance id -> the reservation its actor runs in
         self.nodes: dict[str, str] = {}  # instance id -> the Ray node its worker runs on
         # instance id -> how it ended: 0 stopped by itself (drained), 1 stopped past the timeout, None its actor died
         self.exit_codes: dict[str, int | None] = {}
@@ -113,39 +131,37 @@ class RayLauncher(Launcher):
         self._ending: set[str] = set()  # asked to stop or killed here: its end is expected, not news
 
     def holds(self, instance_id: str) -> bool:
-        return instance_id in self.actors
+        return instance_id in self.groups
 
     def alive(self, instance_id: str) -> bool:
         return instance_id in self.actors and instance_id not in self.exit_codes
 
     def _worker_ids(self) -> Iterable[str]:
-        return self.actors.keys()
+        return self.groups.keys()
 
     def _forget(self, instance_id: str) -> None:
         asyncio.get_running_loop().create_task(self.stop(instance_id, 5.0))
 
     async def start(self, instance_id: str) -> tuple[str, int]:
-        if instance_id in self.actors:
+        if instance_id in self.groups:
             raise LaunchError(f"instance {instance_id!r} is already running")
         asked = time.monotonic()
         config = self._claim_role(instance_id, self.config)
         try:
-            actor = self._actor_class.options(max_restarts=0, **self.resources).remote(
-                config, self.heartbeat_s, self.token, self.host)
-        except BaseException:
-            self.roles.pop(instance_id, None)
-            raise
-        self.actors[instance_id] = actor
-        try:
-            try:
-                self.nodes[instance_id] = await asyncio.wait_for(actor.node_id.remote(), self.placement_timeout_s)
-            except asyncio.TimeoutError:
+            group = self.groups[instance_id] = placement_group([self._bundle()])
+            # `wait` asks Ray's control store only (`ready` would run a task, which needs a process started)
+            if not await asyncio.to_thread(group.wait, self.placement_timeout_s):
                 raise PlacementError(f"Ray found no machine with {self._resource_text()} free for {instance_id} "
-                                     f"within {self.placement_timeout_s:g} s") from None
+                                     f"within {self.placement_timeout_s:g} s")
+            self.nodes[instance_id] = ray.util.placement_group_table(group)["bundles_to_node_id"][0]
+            actor = self.actors[instance_id] = self._actor_class.options(
+                max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(group), **self.resources
+            ).remote(config, self.heartbeat_s, self.token, self.host)
             address = await asyncio.wait_for(actor.start.remote(instance_id), self.ready_timeout_s)
         except BaseException as e:
             self._ending.add(instance_id)
-            ray.kill(actor)
+            if instance_id in self.actors:
+                ray.kill(self.actors[instance_id])
             self._drop(instance_id)
             if isinstance(e, RayError):
                 raise LaunchError(f"worker {instance_id}: {str(e).splitlines()[0]}") from None
@@ -156,9 +172,11 @@ class RayLauncher(Launcher):
         self._watchers[instance_id] = asyncio.get_running_loop().create_task(self._watch(instance_id, actor))
         return address
 
+    def _bundle(self) -> dict[str, float]:
+        return {RAY_RESOURCE_NAMES[option]: amount for option, amount in self.resources.items()}
+
     def _resource_text(self) -> str:
-        return " and ".join(f"{amount:g} {name.removeprefix('num_').upper()}" for name, amount in
-                            self.resources.items())
+        return " and ".join(f"{amount:g} {name}" for name, amount in self._bundle().items())
 
     async def _watch(self, instance_id: str, actor) -> None:
         try:
@@ -200,6 +218,9 @@ class RayLauncher(Launcher):
         self.roles.pop(instance_id, None)
         self.actors.pop(instance_id, None)
         self.nodes.pop(instance_id, None)
+        group = self.groups.pop(instance_id, None)
+        if group is not None:
+            remove_placement_group(group)  # frees the reservation; kills its actor if that still runs
         self._ending.discard(instance_id)
         watcher = self._watchers.pop(instance_id, None)
         if watcher is not None:

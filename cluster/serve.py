@@ -125,10 +125,10 @@ def build_launcher(args: argparse.Namespace, config: EngineConfig, max_instances
             raise ValueError("--gpus is for the local launcher: Ray gives each worker a GPU of its own")
         import ray
 
-        from cluster.ray_launcher import RayLauncher
+        from cluster.ray_launcher import RayLauncher, connect_ray
 
         if not ray.is_initialized():
-            ray.init(address=args.ray_address)
+            connect_ray(args.ray_address)
         return RayLauncher(config, token=token, host=args.worker_host, num_cpus=args.ray_worker_cpus,
                            placement_timeout_s=args.ray_placement_timeout_s, prefill_instances=args.prefill_instances,
                            warm_spares=warm_spares(args.warm_spares, max_instances, 0))

@@ -52,7 +52,9 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray", reason="ray is not installed (the `ray` extra of pyproject.toml)")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from cluster.ray_launcher import connect_ray
+
+    connect_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -77,7 +77,9 @@ def test_pd_fleet_serves_offline_greedy_text_through_a_hand_off(pd_cluster, offl
 
 def test_pd_fleet_of_ray_actors_hands_off(default_model, offline):
     ray = pytest.importorskip("ray", reason="ray is not installed (the `ray` extra of pyproject.toml)")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from cluster.ray_launcher import connect_ray
+
+    connect_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with pd_fleet(default_model, "--launcher", "ray") as (server, backend):
             prompt = "Two actors, one answer:"
