@@ -93,12 +93,14 @@ class InstanceView:
 
 
 class Fleet:
-    """Instances by id, the members of each tier, and the idle pool (serving instances with no tier label)."""
+    """Instances by id, the members of each tier, the idle pool (serving instances with no tier label), and the
+    prefill pool (serving prefill instances of a disaggregated fleet: they take no tier label)."""
 
     def __init__(self, num_tiers: int):
         self.instances: dict[str, InstanceView] = {}
         self.members: list[list[InstanceView]] = [[] for _ in range(num_tiers)]
         self.idle: list[InstanceView] = []
+        self.prefill: list[InstanceView] = []
 
     def __getitem__(self, instance_id: str) -> InstanceView:
         view = self.instances.get(instance_id)

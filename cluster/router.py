@@ -19,6 +19,12 @@ with companions (the other parallel samples of its request) is placed with them,
 counting each; a stream resumed after its instance was lost goes where its next token is predicted soonest. The test
 reads an instance through the resident summary the router keeps current (InstanceView.summary), so a scan costs
 O(log n) per instance of n residents; a step report pays the pass over them.
+
+Prefill/decode disaggregation (`set_role`): prefill instances form a pool of their own, outside the tiers. PolyServe
+places a new request on the busiest prefill instance whose queue runs its prompt and the transfer of its KV by its
+first-token deadline (`AttainabilityChecker.fits_prefill`), so the pool has a load gradient as the tiers do; the
+hand-off (`hand_off`) is placed on decode instances by the tier rules, tested from the moment its KV arrives with its
+next token due one TPOT after its first-token deadline.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from scheduler.latency_model import LatencyModel
 from scheduler.online_fit import OnlineLatencyModel
 from scheduler.output_length import OutputLengthTracker
 from scheduler.tiers import TierSet
+from scheduler.transfer import TransferModel
 from scheduler.types import StepStats
 
 POLICIES = ("polyserve", "random", "round-robin", "least-loaded", "least-loaded-admission", "lmetric")
@@ -58,6 +65,7 @@ class How(enum.Enum):
     OWN = "own"  # an instance of its own tier
     PROMOTED = "promoted"  # an instance of a tighter tier
     SCALED_UP = "scaled_up"  # an idle instance that joined its tier for it
+    PREFILL = "prefill"  # a prefill instance, which hands it off at its first token
     BASELINE = "baseline"  # chosen by a baseline policy
 
 
@@ -98,7 +106,8 @@ class Router:
     def __init__(self, tiers: TierSet, latency_model: LatencyModel, *, policy: str = "polyserve",
                  autoscaler: Autoscaler | None = None, queue_limit: int = 256, max_prefill_chunk: int = 2048,
                  expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000,
-                 gradient: bool = True, promotion: str = "lazy", shed_late: bool = True):
+                 gradient: bool = True, promotion: str = "lazy", shed_late: bool = True,
+                 transfer: TransferModel | None = None):
         """`latency_model` is where the router's predictions start: it refines them from the steps the instances
         report (`OnlineLatencyModel`), and holds each tier's instances to the tier's TPOT less a margin fed back
         from its requests' outcomes (`Headroom`), as each engine does for its chunks (DESIGN.md §2, learning under
@@ -114,7 +123,10 @@ class Router:
         `gradient` and `promotion` are PolyServe's ablations: gradient=False tries a tier's least-loaded
         instance first instead of its busiest; promotion "before-scale-up" tries the tighter tiers before the idle
         pool (the paper's order, DESIGN.md §2), "none" never places on a tighter tier, "eager" tries the tighter
-        tiers (nearest first) before the request's own."""
+        tiers (nearest first) before the request's own.
+
+        `transfer`: how long a hand-off's KV takes from a prefill to a decode instance (None: no time), which the
+        prefill placement reserves before the first-token deadline and the decode placement waits for."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
@@ -148,6 +160,7 @@ class Router:
         # requests whose prompt a prefill instance ran, to be placed on a decode instance
         self.roles: dict[str, str] = {}
         self.handoffs: set[str] = set()
+        self.transfer = transfer
 
     # ---- instances -------------------------------------------------------------------------------------------
     def add_instance(self, instance_id: str, now: float) -> None:
@@ -165,6 +178,11 @@ class Router:
             self.roles.pop(instance_id, None)
         else:
             self.roles[instance_id] = role
+        view = self.fleet.instances.get(instance_id)
+        if view is not None and view.status is InstanceStatus.READY and (view in self.fleet.prefill) != (
+                role == "prefill"):
+            self._unlabel(view)
+            self._pool(view, now=view.since)
 
     def on_ready(self, instance_id: str, kv_capacity_tokens: int, now: float) -> list[Placement]:
         view = self.fleet[instance_id]
@@ -174,13 +192,20 @@ class Router:
             raise ValueError(f"kv_capacity_tokens must be positive, got {kv_capacity_tokens}")
         view.status, view.since, view.kv_capacity_tokens, view.iteration_end = \
             InstanceStatus.READY, now, kv_capacity_tokens, now
+        self._pool(view, now)
+        return self.retry_queued(now)
+
+    def _pool(self, view: InstanceView, now: float) -> None:
+        """A serving instance with no place yet: the prefill pool, a tier under its minimum, or the idle pool."""
+        if self.roles.get(view.instance_id) == "prefill":
+            self.fleet.prefill.append(view)
+            return
         tier = self.autoscaler.tier_below_minimum(self.fleet) if self.autoscaler is not None else None
         if tier is not None and self.policy == "polyserve":
             self._join(view, tier, now)
-            self._log(now, "joined", None, instance_id, tier)
+            self._log(now, "joined", None, view.instance_id, tier)
         else:
             self.fleet.idle.append(view)
-        return self.retry_queued(now)
 
     def start_draining(self, instance_id: str, now: float) -> None:
         view = self.fleet[instance_id]
@@ -367,16 +392,42 @@ class Router:
         if self.policy not in ("polyserve", "least-loaded-admission"):
             view = self._baseline_choice(req)
             return None if view is None else (view, How.BASELINE)
-        snap = req.snapshot(now if req.late else req.arrival)
+        snap, now = self._as_placed(req, now, req.late)
         early = self.first_token_headroom[req.tier_index].margin * req.slo.ttft_ms / 1000.0
         if self.policy == "least-loaded-admission":
             view = self._least_loaded_attaining(req, snap, early, now)
             return None if view is None else (view, How.BASELINE)
+        if self.fleet.prefill and req.request_id not in self.handoffs:
+            return self._least_queued_prefill(req, snap, early, now)
         if req.resumed_tokens:
             return self._soonest_next_token(req, snap, early, now)
         before_scale_up, after_scale_up = self._tier_orders[req.tier_index]
         return self._place_in(before_scale_up, req, snap, early, now) or self._scale_up(req, snap, early, now) \
             or self._place_in(after_scale_up, req, snap, early, now)
+
+    def _as_placed(self, req: RoutedRequest, now: float, late: bool) -> tuple[RequestSnapshot, float]:
+        """`req` as the test sees it, and the time its placement starts from: a `late` request dated then; a
+        hand-off from when its KV arrives, its next token (the one the test calls first) due one TPOT after its
+        first token's deadline."""
+        if req.request_id not in self.handoffs:
+            return req.snapshot(now if late else req.arrival), now
+        arrives = now + self._transfer_s(req)
+        return req.snapshot(arrives if late else req.arrival + req.tpot_s), arrives
+
+    def _transfer_s(self, req: RoutedRequest) -> float:
+        return self.transfer.seconds(req.num_prompt_tokens) if self.transfer is not None else 0.0
+
+    def _least_queued_prefill(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
+                         now: float) -> tuple[InstanceView, How] | None:
+        """The prefill instance with the least queued work of those whose queue attains `req`'s first token and
+        transfer. Not the busiest, as in a tier: a prompt gains nothing from company (a chunk fills the GPU alone),
+        so packing a queue to its deadlines only makes its prompts late together under a slow step, and leaves no
+        room for a tighter tier's; the prefill pool is sized from its token rate instead."""
+        ready = InstanceStatus.READY
+        for view in sorted(self.fleet.prefill, key=_load):
+            if view.status is ready and self._fits(view, 0.0, req, snap, now, early):
+                return view, How.PREFILL
+        return None
 
     def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot, early: float,
                   now: float) -> tuple[InstanceView, How] | None:
@@ -459,9 +510,14 @@ class Router:
               early: float) -> bool:
         """The attainability test of `req` (as `snap`) on `view` held to `budget_ms`; its companions, if any,
         counted in as residents (seated for the test, then taken out again), each one more sequence in the batch
-        and its own KV. An instance whose role does not take the request's stage fits it not."""
-        if self.roles and not self._serves(view, req):
-            return False
+        and its own KV. An instance whose role does not take the request's stage fits it not; a prefill instance
+        is tested by its own rule, whatever the budget."""
+        if self.roles:
+            if not self._serves(view, req):
+                return False
+            if self.roles.get(view.instance_id) == "prefill":
+                return self.checker.fits_prefill(view.summary, view.kv_capacity_tokens, view.iteration_end, snap,
+                                                 now, early, self._transfer_s(req))
         if not req.companions:
             return self.checker.fits(view.summary, view.kv_capacity_tokens, view.iteration_end, budget_ms, snap,
                                      now, early)
@@ -503,13 +559,14 @@ class Router:
         return role == "decode" if req.request_id in self.handoffs else role != "decode"
 
     def _on_time_possible(self, req: RoutedRequest, now: float) -> bool:
-        """Could its first token still be on time on an idle instance starting now?"""
+        """Could its first token (a hand-off's next) still be on time on an idle instance starting now (a
+        hand-off's once its KV arrived)?"""
         capacity = max((v.kv_capacity_tokens for v in self.fleet.instances.values()), default=0)
         if not capacity:
             return True
-        idle = InstanceState((), capacity, now, req.slo.tpot_ms)
-        return self.checker.check(idle, req.snapshot(req.arrival), now).first_token_time \
-            <= req.first_token_due
+        snap, start = self._as_placed(req, now, late=False)
+        idle = InstanceState((), capacity, start, req.slo.tpot_ms)
+        return self.checker.check(idle, snap, start).first_token_time <= snap.first_token_due
 
     def _apply(self, req: RoutedRequest, view: InstanceView, how: How, now: float) -> None:
         if how is How.SCALED_UP:
@@ -552,6 +609,8 @@ class Router:
             view.tier = None
         elif view in self.fleet.idle:
             self.fleet.idle.remove(view)
+        elif view in self.fleet.prefill:
+            self.fleet.prefill.remove(view)
 
     def _maybe_release(self, tier: int, now: float) -> None:
         members = self.fleet.members[tier]
@@ -589,8 +648,12 @@ class Router:
         return min(view.residents_per_tier, default=req.tier_index)
 
     def _update_load(self, view: InstanceView) -> None:
-        """Load: the predicted iteration of the instance's residents, every one decoding at its current context."""
-        view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
+        """Load: the predicted iteration of the instance's residents, every one decoding at its current context; a
+        prefill instance's, the predicted time of its queued prompts."""
+        if self.roles.get(view.instance_id) == "prefill":
+            view.load = self.checker.prefill_seconds(sum(view.summary.queued_prefills()[1]))
+        else:
+            view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
 
     def retry_after(self, tier: int) -> float:
         """Seconds until a tier slot is likely free: one expected output at the tier's TPOT (at least 1 s)."""

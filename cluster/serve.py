@@ -40,10 +40,11 @@ from engine.api_server import serve_forever
 from engine.config import EngineConfig, add_engine_args
 from engine.default_model import NAME as DEFAULT_MODEL_NAME
 from engine.default_model import default_model_path
-from engine.model_config import ModelConfig
+from engine.model_config import DTYPES, ModelConfig
 from engine.serve import add_http_args, build_http_app
 from engine.tokenizer import Tokenizer
 from scheduler.roofline import emulated_latency_model
+from scheduler.transfer import LINKS, TransferModel
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="prefill/decode disaggregation: this many engines run prompts only and hand each request "
                          "off at its first token to the others, decode engines (default 0: every engine does "
                          "both); a fixed count, counted in --min-instances, which must leave a decode engine")
+    ap.add_argument("--kv-link", choices=LINKS, default="net-400g",
+                    help="with --prefill-instances: the link a hand-off's KV crosses, whose nominal rate the router "
+                         "counts in a prompt's first-token deadline (scheduler/transfer.py)")
     ap.add_argument("--min-per-tier", type=int, default=0)
     ap.add_argument("--max-per-tier", type=int, default=None)
     ap.add_argument("--stop-after-idle-s", type=float, default=5.0,
@@ -107,12 +111,16 @@ def build_backend(args: argparse.Namespace) -> RouterBackend:
         max_instances=args.min_instances if baseline else args.max_instances,  # baselines: a fixed fleet
         idle_pool=0 if baseline else args.idle_pool, min_per_tier=0 if baseline else args.min_per_tier,
         max_per_tier=None if baseline else args.max_per_tier, stop_after_idle_s=args.stop_after_idle_s)
-    router = Router(config.tier_set, latency_model, policy=args.router_policy, autoscaler=Autoscaler(limits),
-                    queue_limit=args.queue_limit, shed_late=not args.serve_late, max_prefill_chunk=config.prefill_chunk)
-    service = RouterService(router, launcher=build_launcher(args, config, limits.max_instances),
-                            heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations)
     model = config.model or default_model_path()
     model_config = ModelConfig.from_folder(model)
+    # the KV crosses in the serving dtype: a GPU's bf16 unless given (a CPU engine's float32 moves on loopback)
+    kv_bytes = model_config.kv_bytes_per_token(DTYPES[config.dtype or "bfloat16"])
+    transfer = TransferModel(LINKS[args.kv_link], kv_bytes) if args.prefill_instances else None
+    router = Router(config.tier_set, latency_model, policy=args.router_policy, autoscaler=Autoscaler(limits),
+                    queue_limit=args.queue_limit, shed_late=not args.serve_late, max_prefill_chunk=config.prefill_chunk,
+                    transfer=transfer)
+    service = RouterService(router, launcher=build_launcher(args, config, limits.max_instances),
+                            heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations)
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
     return RouterBackend(service, name, model_config.context_length(config.max_model_len), Tokenizer.of_folder(model))
 

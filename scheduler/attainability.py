@@ -15,6 +15,12 @@ Conditions, in this order; the first that fails names the rejection:
   each grown by the iterations r's prefill takes, r's prompt already in the cache) still finishes r's prefill by its
   first-token deadline.
 
+A prefill instance of a disaggregated fleet (its residents are prompts, each leaving at its first token for a decode
+instance) is tested by `fits_prefill` instead: its whole queue of prompts and r's, at whole chunks, and the transfer of
+r's KV end by r's first-token deadline; the prompts fit the KV. The whole queue, not the prompts due before r: an
+instance packed to its residents' deadlines would have room for no tighter request in front of them, so an instance's
+queue is kept within the TTFT of the tiers it serves, and a tier's requests go where the queue is that short. Its decode instance is tested as any instance, r's next token then due one TPOT after its first-token deadline.
+
 The residents enter only through their `ResidentSummary` (scheduler/instance_state.py): on a summary kept current
 by its owner (`fits`, the router's scan) a test is O(log n) for n residents plus the latency predictions of the
 chunk searches; `check` counts one afresh.
@@ -130,6 +136,23 @@ class AttainabilityChecker:
             return False
         return not self._second_token(summary, request, first, iterations, num_ahead, work_ahead) \
             > planned_first + request.tpot_s
+
+    def fits_prefill(self, summary: ResidentSummary, kv_capacity_tokens: int, iteration_end: float,
+                     request: RequestSnapshot, now: float, early_s: float = 0.0, transfer_s: float = 0.0) -> bool:
+        """Can a prefill instance take r (see the module's doc)? Its prompts run in whole chunks of
+        `max_prefill_chunk` with no decode beside them; `transfer_s`: r's KV to its decode instance."""
+        if summary.kv_residents + request.num_prompt_tokens > kv_capacity_tokens:
+            return False
+        start = now if now > iteration_end else iteration_end
+        work = sum(summary.queued_prefills()[1]) + request.num_prompt_tokens + request.num_output_tokens \
+            - request.num_computed_tokens
+        return start + self.prefill_seconds(work) + transfer_s <= request.first_token_due - early_s
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Prompt work alone, in whole chunks of the cap and the rest."""
+        cap, predict = self.max_prefill_chunk, self.model.predict
+        whole, rest = divmod(tokens, cap)
+        return (whole * predict(cap, 0, cap) if whole else 0.0) + (predict(rest, 0, rest) if rest else 0.0)
 
     # ---- the step functions both compute the figures with ---------------------------------------------------------
     def _first_token(self, summary: ResidentSummary, budget_s: float, first_deadline: float, start: float,

@@ -106,6 +106,11 @@ class ResidentSummary:
         n = bisect_right(keys, first_deadline)
         return n, sum(islice(self._wait_work, n))
 
+    def queued_prefills(self) -> tuple[list[float], list[int]]:
+        """The residents not decoding: their next tokens' deadlines, sorted, and the prompt work each has left
+        (read-only: the summary's own lists)."""
+        return self._wait_keys, self._wait_work
+
     def decode_chunk(self, model: LatencyModel, budget_s: float, cap: int) -> tuple[int, float]:
         """Largest prefill chunk beside the decodes within `budget_s` (`largest_chunk`; cap with no decode), and
         the predicted time of an iteration of the decodes with a whole such chunk (a test whose prefill spans

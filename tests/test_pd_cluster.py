@@ -299,3 +299,37 @@ def test_the_router_places_prompts_on_prefill_and_hand_offs_on_decode_instances(
     assert router.hand_off(reqs[2], 0.04).instance_id == "d"
     late = RoutedRequest("r3", reqs[0].tier_index, reqs[0].tier, slo, 0.05, 100, 20)
     assert router.submit(late, 0.05).instance_id == "p"
+
+
+def test_the_router_fills_the_least_queued_prefill_instance_and_waits_for_the_transfer():
+    """PolyServe's PD placement: a new prompt goes to the prefill instance with the least queued work of those that
+    run it and its transfer by its first-token deadline; a hand-off is tested from when its KV arrives."""
+    from cluster.fleet import RoutedRequest
+    from cluster.router import How, Outcome
+    from scheduler.transfer import TransferLink, TransferModel
+
+    tiers = EngineConfig(executor="emulated").tier_set
+    tier = tiers[tiers.index("standard")]  # TTFT 500 ms, TPOT 50 ms
+    slow_link = TransferModel(TransferLink("slow", bandwidth=1e6, latency_s=0.0), bytes_per_token=1000)  # 1 ms/token
+    router = Router(tiers, emulated_latency_model(), transfer=slow_link)
+    for instance_id, role in [("p0", "prefill"), ("p1", "prefill"), ("d", "decode")]:
+        router.add_instance(instance_id, 0.0)
+        router.set_role(instance_id, role)
+        router.on_ready(instance_id, 1 << 20, 0.0)
+    assert [v.instance_id for v in router.fleet.prefill] == ["p0", "p1"] and router.fleet.idle == [router.fleet["d"]]
+    reqs = {rid: RoutedRequest(rid, tiers.index(tier.name), tier.name, tier.slo, 0.0, prompt, 20)
+            for rid, prompt in [("a", 300), ("b", 100), ("c", 100), ("x", 600)]}
+
+    placed = {rid: router.submit(reqs[rid], 0.0) for rid in "abc"}
+    assert all(d.how is How.PREFILL for d in placed.values())
+    # each prompt goes where the least work waits: "b" beside "a"'s 300 tokens, "c" behind "b"'s 100
+    assert [placed[rid].instance_id for rid in "abc"] == ["p0", "p1", "p1"]
+    assert router.fleet["p0"].load > router.fleet["p1"].load > 0
+    # "x"'s KV takes 600 ms to move, past its whole TTFT: no prefill instance attains it
+    assert router.submit(reqs["x"], 0.0).outcome is Outcome.QUEUED
+    # "b"'s KV arrives at 0.11 s, its next token due at 0.55 s: on time
+    router.on_finished("b", 1, 0.01, completed=False)
+    assert router.hand_off(reqs["b"], 0.01).instance_id == "d" and not reqs["b"].late
+    # "a" first token at 0.3 s: its KV arrives at 0.6 s, past its next token's deadline; served late all the same
+    router.on_finished("a", 1, 0.3, completed=False)
+    assert router.hand_off(reqs["a"], 0.3).instance_id == "d" and reqs["a"].late

@@ -562,3 +562,26 @@ def test_peak_bounds_after_joins_and_departures_hold_the_exact_peak():
                 bounded += 1
                 assert bound[0] >= exact[0] and bound[1] >= exact[1]
     assert bounded > 100
+
+
+# ---- a prefill instance of a disaggregated fleet ----------------------------------------------------------------
+def test_a_prefill_instance_counts_its_whole_queue_chunks_and_the_transfer():
+    """Its prompts run in whole chunks with nothing beside them: r's first token and KV transfer after every queued
+    prompt, the ones due later included (a tighter request may not squeeze in front of a queue packed to its
+    deadlines)."""
+    chk = AttainabilityChecker(MODEL, OutputLengthTracker(default_mean=100), max_prefill_chunk=2048)
+    later = RequestSnapshot(arrival=10.0, num_prompt_tokens=3000, max_tokens=100, slo=SLO(5000, 50), tier="t")
+    summary = ResidentSummary([later], chk.output_lengths)
+    r = candidate(prompt=1000)  # due 10.5
+    # 4000 tokens: one chunk of 2048 (5 + 20.48 + 0.2048 ms) and 1952 (5 + 19.52 + 0.1952 ms)
+    work_s = (0.005 + 2048 * 1e-5 + 2048 * 1e-7) + (0.005 + 1952 * 1e-5 + 1952 * 1e-7)
+    assert chk.prefill_seconds(4000) == pytest.approx(work_s)
+    slack = r.first_token_due - NOW - work_s
+    assert chk.fits_prefill(summary, 100_000, NOW, r, NOW, transfer_s=slack - 1e-6)
+    assert not chk.fits_prefill(summary, 100_000, NOW, r, NOW, transfer_s=slack + 1e-6)
+    assert not chk.fits_prefill(summary, 100_000, NOW, r, NOW, early_s=slack + 1e-6)
+    # the prompts held must fit the KV: 3000 + 1000 tokens
+    assert chk.fits_prefill(summary, 4000, NOW, r, NOW)
+    assert not chk.fits_prefill(summary, 3999, NOW, r, NOW)
+    # the iteration in flight ends first
+    assert not chk.fits_prefill(summary, 100_000, NOW + slack + 1e-6, r, NOW)

@@ -1,5 +1,5 @@
 """The simulator's prefill/decode mode (cluster/sim/simulator.py `prefill_instances`) and the KV transfer-time model
-(cluster/sim/transfer.py): where each token comes from, the transfer in the first token gap, blocks given back on
+(scheduler/transfer.py): where each token comes from, the transfer in the first token gap, blocks given back on
 both sides, and the co-located mode unchanged by the PD knobs."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cluster.sim.simulator import SimConfig, Simulator
-from cluster.sim.transfer import LINKS, TransferLink, TransferModel, kv_bytes_per_token, transfer_model
+from scheduler.transfer import LINKS, TransferLink, TransferModel, kv_bytes_per_token, transfer_model
 from cluster.sim.workload import Workload
 from scheduler.prediction_error import prediction_error
 from scheduler.roofline import LLAMA_2_7B, LLAMA_3_1_8B, emulated_latency_model

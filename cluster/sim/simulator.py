@@ -15,7 +15,7 @@ It is what cluster/service.py does with messages, done with method calls:
   which the router then hears it left (`on_finished`, not completed) and hands off (`router.hand_off`) as the service
   does on Prefilled; placed on a decode instance, that one takes the blocks of the prompt's KV at once or refuses
   (then the hand-off is tried again at the next tick, as the service does), the KV arrives after the link's transfer
-  time (cluster/sim/transfer.py) and the request joins that instance's queue with its prompt computed; the prefill
+  time (scheduler/transfer.py) and the request joins that instance's queue with its prompt computed; the prefill
   instance frees its blocks as the transfer ends; queued, the hand-off waits in the router's queue;
 - a finish is `router.on_finished`, then `retry_queued`; a periodic tick (the service's 50 ms) retries the queues
   and asks the autoscaler for a plan: instances it starts are ready after `cold_start_s`, the ones it stops drain
@@ -38,7 +38,7 @@ from cluster.autoscaler import Autoscaler, ScalingLimits
 from cluster.fleet import InstanceStatus, RoutedRequest
 from cluster.router import InstanceReport, Outcome, Router
 from cluster.sim.instance import IDLE, MissTally, SimInstance, SimRequest
-from cluster.sim.transfer import LINKS, transfer_model
+from scheduler.transfer import LINKS, transfer_model
 from cluster.sim.workload import REFUSED, Workload
 from scheduler.headroom import Headroom
 from scheduler.latency_model import LatencyModel
@@ -83,7 +83,7 @@ class SimConfig:
     # prefill/decode disaggregation: the first `prefill_instances` instances run prompts and hand requests off at
     # their first token, the rest decode them; 0: every instance does both
     prefill_instances: int = 0
-    transfer: str = "nvlink"  # the link a hand-off's KV crosses: a preset of cluster.sim.transfer.LINKS
+    transfer: str = "nvlink"  # the link a hand-off's KV crosses: a preset of scheduler.transfer.LINKS
 
     def __post_init__(self):
         if self.engine_policy not in BATCH_POLICIES:
@@ -197,9 +197,10 @@ class Simulator:
     def _build_router(self, expected_output: float) -> Router:
         cfg = self.config
         autoscaler = Autoscaler(cfg.autoscale) if cfg.autoscale is not None else None
+        transfer = {"transfer": self._transfer} if cfg.prefill_instances else {}
         return Router(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
                       queue_limit=cfg.queue_limit, shed_late=cfg.shed_late, max_prefill_chunk=cfg.max_prefill_chunk,
-                      expected_output_tokens=expected_output, seed=cfg.seed, **self.router_kwargs)
+                      expected_output_tokens=expected_output, seed=cfg.seed, **transfer, **self.router_kwargs)
 
     def _new_instance(self, now: float, prefill: bool = False) -> str:
         instance_id = f"i{self._next_instance}"
