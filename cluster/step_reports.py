@@ -15,7 +15,8 @@ changed since the last report, as they are after the newest step (the router kee
 the timing of every step since the last report, oldest first. `flush` sends what is held whatever the rule says
 (the worker's heartbeat, so that an engine that stopped stepping is not left described by an older step).
 
-The simulator applies the same rule to when its router hears of its instances' steps (SimConfig.report_every_steps).
+`ReportRule` is that decision, step by step; the worker's `StepReportCoalescer` asks it, and so does the simulator
+(cluster/sim/instance.py) for when its router hears of its instances' steps (SimConfig.report_every_steps).
 """
 from __future__ import annotations
 
@@ -24,37 +25,58 @@ from cluster.protocol import Resident, StepReport, StepTiming
 DEFAULT_REPORT_EVERY_STEPS = 8
 
 
-class StepReportCoalescer:
-    __slots__ = ("every_steps", "num_total_blocks", "_steps", "_residents", "_sent")
+class ReportRule:
+    """When the steps held back are reported: counts the steps held since the last report."""
+    __slots__ = ("every_steps", "num_held")
 
-    def __init__(self, every_steps: int = DEFAULT_REPORT_EVERY_STEPS, num_total_blocks: int = 0):
+    def __init__(self, every_steps: int = DEFAULT_REPORT_EVERY_STEPS):
         """`every_steps`: the most steps held back before a report goes (1: a report every step)."""
         if not isinstance(every_steps, int) or every_steps < 1:
             raise ValueError(f"every_steps must be a positive integer, got {every_steps!r}")
-        self.every_steps, self.num_total_blocks = every_steps, num_total_blocks
+        self.every_steps = every_steps
+        self.num_held = 0
+
+    def step(self, changed_materially: bool) -> bool:
+        """One more step, after which something placement depends on changed or not: True when it and every step
+        held before it are reported now (then none is held)."""
+        self.num_held += 1
+        if changed_materially or self.num_held >= self.every_steps:
+            self.num_held = 0
+            return True
+        return False
+
+    def clear(self) -> None:
+        """What was held went out whatever the rule says (a flush), or the listener is new: none is held."""
+        self.num_held = 0
+
+
+class StepReportCoalescer:
+    __slots__ = ("rule", "num_total_blocks", "_steps", "_residents", "_sent")
+
+    def __init__(self, every_steps: int = DEFAULT_REPORT_EVERY_STEPS, num_total_blocks: int = 0):
+        """`every_steps`: the most steps held back before a report goes (1: a report every step)."""
+        self.rule, self.num_total_blocks = ReportRule(every_steps), num_total_blocks
         self._steps: list[StepTiming] = []  # held back, oldest first
         self._residents: list[Resident] = []  # after the newest held step
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (computed, output) as the router last heard
 
-    @property
-    def num_held(self) -> int:
-        return len(self._steps)
-
     def reset(self) -> None:
         """A new router: it has heard nothing yet, and hears nothing of steps before it came."""
         self._steps, self._residents, self._sent = [], [], {}
+        self.rule.clear()
 
     def add(self, step: StepTiming, residents: list[Resident]) -> StepReport | None:
         """One more step, and the residents after it: the report to send now, or None while it is held."""
         self._steps.append(step)
         self._residents = residents
-        if len(self._steps) >= self.every_steps or self._changed_materially(residents):
-            return self._report()
-        return None
+        return self._report() if self.rule.step(self._changed_materially(residents)) else None
 
     def flush(self) -> StepReport | None:
         """What is held back, at once (None when nothing is)."""
-        return self._report() if self._steps else None
+        if not self.rule.num_held:
+            return None
+        self.rule.clear()
+        return self._report()
 
     def _changed_materially(self, residents: list[Resident]) -> bool:
         sent = self._sent

@@ -18,11 +18,11 @@ when a run is cut short, the steps laid out past the cut are given back to it (`
 gets the same time as when drawn one by one. `fast_forward=False` asks the policy every step; the tests check the
 two give identical results.
 
-Coalesced reports (`report_every` > 1): the instance keeps what its worker would last have sent under
-cluster/step_reports.py's rule (`report`): a report at the end of a step where a resident joined or left, emitted
-its first token or was preempted, and otherwise after `report_every` steps held. Within a decode run every resident
-gains one token a step, so a report sent at a step the run applied later is the residents as they are, that many
-tokens back.
+Coalesced reports (`report_every` > 1): the instance keeps what its worker would last have sent (`report`), asking
+the worker's own rule (cluster/step_reports.py's ReportRule) at the end of every step whether that step is reported,
+told whether a resident joined or left, emitted its first token or was preempted. A decode run asks it for each of
+its steps as they are applied; every resident gains one token a step, so a report sent at a step the run applied
+later is the residents as they are, that many tokens back.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cluster.protocol import Resident
+from cluster.step_reports import ReportRule
 from scheduler.headroom import ON_TIME, Headroom
 from scheduler.latency_model import LearningLatencyModel
 from scheduler.prediction_error import StepTruth
@@ -141,9 +142,9 @@ class SimInstance:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         if report_every < 1:
             raise ValueError(f"report_every must be positive, got {report_every}")
-        self.report_every = report_every
+        # None: a report every step, and the simulator reads the instance as it is
+        self._report_rule = ReportRule(report_every) if report_every > 1 else None
         self.report: HeardReport | None = None
-        self._held = 0  # steps since `report` was sent
         self._material = False  # a resident joined or was preempted since `report` was sent
         self.index, self.policy, self.truth = index, policy, truth
         self.latency_model, self.headroom = latency_model, headroom
@@ -270,7 +271,9 @@ class SimInstance:
         if not items:
             # nothing fits: the live engine would spin until something changes; here the next placement wakes it
             self.state, self.event_time = IDLE, math.inf
-            if self._held:  # the worker's next heartbeat sends what it held
+            rule = self._report_rule
+            if rule is not None and rule.num_held:  # the worker's next heartbeat flushes what it held
+                rule.clear()
                 self._send_report()
             return
         self._admit_newcomers(items)
@@ -340,15 +343,12 @@ class SimInstance:
 
     def _step_reported(self, material: bool) -> None:
         """One more step: sent now under the rule, or held."""
-        if self.report_every == 1:
-            return  # a report every step: the simulator reads the instance as it is
-        self._held += 1
-        if material or self._held >= self.report_every:
+        if self._report_rule is not None and self._report_rule.step(material):
             self._send_report()
 
     def _send_report(self, behind: int = 0) -> None:
         """The report sent after the step `behind` steps of a decode run before the newest applied."""
-        self._held, self._material = 0, False
+        self._material = False
         self.report = HeardReport(
             self.num_steps - behind, self.last_end if not behind else self._ends[self._run_applied - 1 - behind],
             self.num_total_blocks - self.free_blocks,
@@ -487,17 +487,16 @@ class SimInstance:
             prev = ends[j]
             kv += b
         self._run_applied = k
-        if self.report_every > 1:
+        rule = self._report_rule
+        if rule is not None:
+            # the run's last step goes to the rule from _end_run, once its finishers have left
             sent = None
-            for j in range(a, k):
-                self._held += 1
-                if self._material or self._held >= self.report_every:
-                    self._held, self._material = 0, False
+            for j in range(a, k if in_flight else k - 1):
+                if rule.step(self._material):
+                    self._material = False
                     sent = j
             if sent is not None:
-                held = self._held
                 self._send_report(k - 1 - sent)
-                self._held = held
 
     def _end_run(self, t: float) -> None:
         """The run's last step ended at t: its finishers leave."""
@@ -506,8 +505,8 @@ class SimInstance:
         self._ends = []
         if finished:
             self._release(finished)
-            if self.report_every > 1:
-                self._send_report()
+        self._step_reported(self._material or bool(finished))
+        if finished:
             self.on_finish(self, finished, t)
 
     def _cut_run(self, now: float) -> None:
