@@ -70,6 +70,23 @@ def default_model():
     return default_model_path()
 
 
+@pytest.fixture(scope="module")
+def offline(request, default_model):
+    """The default model on an offline emulated engine that steps at once, with the test module's `NUM_KV_BLOCKS`:
+    the greedy texts a served fleet of the same engines must return."""
+    from engine import LLM
+
+    return LLM(default_model, executor="emulated", num_kv_blocks=request.module.NUM_KV_BLOCKS,
+               step_time=lambda *_: 0.0)
+
+
+def openai_client(server):
+    """The official openai client of a server (anything with a `url`): no retries, so a refusal reaches the test."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def h200_fleet():
     """The H200 profile of Llama-3.1-8B, its default tiers, and workloads of the conversation trace for a fleet of

@@ -42,16 +42,11 @@ def run_engine(engine, rid: str, prompt: list[int], params: SamplingParams, resu
                     return pieces, out.finish_reason
 
 
-@pytest.fixture(scope="module")
-def emulated(default_model):
-    return LLM(default_model, executor="emulated", num_kv_blocks=NUM_KV_BLOCKS, step_time=lambda *_: 0.0)
-
-
-def test_resumed_stream_continues_the_text_exactly(emulated):
+def test_resumed_stream_continues_the_text_exactly(offline):
     """Resumed after any number of tokens, the client's text (what it had, then what the resumed engine streams)
     equals the undisturbed text, cut by a stop string that spans the seam for some of the cut points."""
-    engine = emulated.engine
-    prompt = emulated.tokenizer.encode("Migration keeps every word:")
+    engine = offline.engine
+    prompt = offline.tokenizer.encode("Migration keeps every word:")
     plain, _ = run_engine(engine, "plain", prompt, SamplingParams(temperature=0, max_tokens=40))
     text = "".join(t for _, t in plain)
     stop = text[len(text) // 2:len(text) // 2 + 4]
@@ -86,10 +81,10 @@ def test_resumed_seeded_sampling_draws_what_it_would_have(llama_tiny):
     assert [t for ids, _ in fresh for t in ids] != tokens[6:]
 
 
-def test_resumed_tokens_out_of_range_is_refused(emulated):
+def test_resumed_tokens_out_of_range_is_refused(offline):
     with pytest.raises(InvalidRequestError, match="resumed_tokens"):
-        emulated.engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=4), resumed_tokens=3)
-    assert "bad" not in emulated.engine.requests
+        offline.engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=4), resumed_tokens=3)
+    assert "bad" not in offline.engine.requests
 
 
 def test_warm_spares_default_and_bound():
@@ -125,22 +120,22 @@ def started_on(service: RouterService, instance_id: str) -> list[str]:
     return [rid for rid, s in service.streams.items() if s.routed.instance_id == instance_id and s.started]
 
 
-def test_kill_9_under_load_loses_nothing_and_changes_no_text(default_model, emulated):
+def test_kill_9_under_load_loses_nothing_and_changes_no_text(default_model, offline):
     """Three emulated engine processes and a warm spare; 18 greedy streams (both tiers, some with stop strings);
     the engine holding the most started streams is killed with SIGKILL. Every stream completes with the text and
     tokens of the undisturbed run, its started streams migrate, the spare replaces the dead engine and a new spare
     starts."""
-    rng_prompts = [emulated.tokenizer.encode(f"Request {i} asks about topic {i * 7 % 11}.") * (1 + i % 3)
+    rng_prompts = [offline.tokenizer.encode(f"Request {i} asks about topic {i * 7 % 11}.") * (1 + i % 3)
                    for i in range(18)]
     params = []
     for i, prompt in enumerate(rng_prompts):
         max_tokens = 60 + 10 * (i % 5)
         stop = []
         if i % 3 == 0:  # a stop string late in the output: hit after the kill, across a seam or on the new engine
-            text = emulated.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0].text
+            text = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0].text
             stop = [text[int(len(text) * 0.8):int(len(text) * 0.8) + 3]]
         params.append(SamplingParams(temperature=0, max_tokens=max_tokens, stop=stop))
-    want = [(o.token_ids, o.text, o.finish_reason) for o in emulated.generate(rng_prompts, params)]
+    want = [(o.token_ids, o.text, o.finish_reason) for o in offline.generate(rng_prompts, params)]
     assert any(reason == "stop" for *_, reason in want)
 
     async def scenario():

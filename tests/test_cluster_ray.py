@@ -17,10 +17,9 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 
-from conftest import serving_fleet
+from conftest import openai_client, serving_fleet
 
 from cluster import protocol as p
 from cluster import worker as worker_module
@@ -29,7 +28,7 @@ from cluster.fleet import InstanceStatus
 from cluster.router import Router
 from cluster.service import RouterService
 from cluster.worker import Worker
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import build_engine
 from scheduler.fcfs import FCFSPolicy
@@ -74,15 +73,6 @@ def fleet(ray_cluster, default_model):
         yield server, backend
 
 
-@pytest.fixture(scope="module")
-def offline(default_model):
-    return LLM(default_model, executor="emulated", num_kv_blocks=NUM_KV_BLOCKS, step_time=lambda *_: 0.0)
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def test_worker_resources(ray_cluster):
     from cluster.ray_launcher import worker_resources
 
@@ -99,7 +89,7 @@ def test_openai_client_through_ray_actors(fleet, offline):
     launcher = backend.service.launcher
     assert type(launcher).__name__ == "RayLauncher"
     assert set(backend.service.links) <= set(launcher.actors) and len(launcher.actors) == 5  # four and the spare
-    c = client(server)
+    c = openai_client(server)
     prompt = "Ray actors serve the fleet"
     want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0]
     out = c.completions.create(model=backend.model_name, prompt=prompt, max_tokens=16, temperature=0)
@@ -122,7 +112,7 @@ def test_killed_actor_loses_no_request(fleet, offline, ray_cluster):
     prompts = [f"Request {i} asks the cluster about topic {i * 7 % 11}." for i in range(12)]
     params = [SamplingParams(temperature=0, max_tokens=40 + 5 * (i % 4)) for i in range(12)]
     want = [o.text for o in offline.generate(prompts, params)]
-    c = client(server)
+    c = openai_client(server)
 
     def started_on(instance_id: str) -> int:
         return sum(1 for s in list(service.streams.values()) if s.routed.instance_id == instance_id and s.started)

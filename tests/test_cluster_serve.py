@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from conftest import serving_fleet
+from conftest import openai_client, serving_fleet
 
 from cluster.backend import RouterBackend
 from cluster.router import Router
 from cluster.service import RouterService
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.api_server import ServerThread, build_app
 from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import Tier, TierSet
@@ -35,15 +35,6 @@ def cluster(default_model):
         yield backend, server
 
 
-@pytest.fixture(scope="module")
-def offline(default_model):
-    return LLM(default_model, executor="emulated", num_kv_blocks=NUM_KV_BLOCKS, step_time=lambda *_: 0.0)
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 SLO_FIELDS = {"none": None, "own": {"slo": {"ttft_ms": 800, "tpot_ms": 50}}, "tier": {"slo_tier": "fast"}}
 
 
@@ -56,11 +47,11 @@ def test_completions_equal_offline_generate(cluster, offline, stream, slo):
     kwargs = dict(model=backend.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                   extra_body=SLO_FIELDS[slo])
     if stream:
-        chunks = list(client(server).completions.create(stream=True, **kwargs))
+        chunks = list(openai_client(server).completions.create(stream=True, **kwargs))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert chunks[-1].choices[0].finish_reason == "length"
     else:
-        out = client(server).completions.create(**kwargs)
+        out = openai_client(server).completions.create(**kwargs)
         text = out.choices[0].text
         assert out.usage.completion_tokens == MAX_TOKENS and out.choices[0].finish_reason == "length"
     assert text == want.text and text
@@ -75,16 +66,16 @@ def test_chat_equals_offline_chat(cluster, offline, stream, slo):
     kwargs = dict(model=backend.model_name, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                   extra_body=SLO_FIELDS[slo])
     if stream:
-        chunks = list(client(server).chat.completions.create(stream=True, **kwargs))
+        chunks = list(openai_client(server).chat.completions.create(stream=True, **kwargs))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     else:
-        text = client(server).chat.completions.create(**kwargs).choices[0].message.content
+        text = openai_client(server).chat.completions.create(**kwargs).choices[0].message.content
     assert text == want.text and text
 
 
 def test_unattainable_or_unknown_slo_is_refused(cluster):
     backend, server = cluster
-    c = client(server)
+    c = openai_client(server)
     with pytest.raises(openai.BadRequestError, match="tighter than the tightest tier"):
         c.completions.create(model=backend.model_name, prompt="x", max_tokens=4, extra_body={
             "slo": {"ttft_ms": 1000, "tpot_ms": 1}})
@@ -98,7 +89,7 @@ def test_unattainable_or_unknown_slo_is_refused(cluster):
 def test_full_queue_answers_429_with_retry_after(cluster):
     backend, server = cluster
     router = backend.service.router
-    c = client(server)
+    c = openai_client(server)
 
     def long_request(i: int):
         prompt = [100 + (7 * i + j) % 40000 for j in range(600)]  # 600 token ids: three fill the 2048-token pool
@@ -127,7 +118,7 @@ def test_no_instance_answers_503():
     service = RouterService(Router(tiers, emulated_latency_model()))  # no launcher, no autoscaler, no engine
     backend = RouterBackend(service, "m", 4096, None)
     with ServerThread(build_app(backend)) as server:
-        c = client(server)
+        c = openai_client(server)
         with pytest.raises(openai.APIStatusError) as err:
             c.completions.create(model="m", prompt=[1, 2, 3], max_tokens=4)
         assert err.value.status_code == 503 and "no engine instance" in str(err.value)

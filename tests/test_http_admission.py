@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from conftest import openai_client
+
 from engine import EngineConfig, build_engine
 from engine.api_server import ServerThread, build_app
 from engine.engine_backend import EngineBackend
@@ -59,7 +61,7 @@ def served(default_model):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(served[0])
 
 
 def test_slo_unattainable_on_an_idle_instance_is_refused(served, client):

@@ -12,6 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import openai_client
+
 from engine import LLM, SamplingParams
 from engine.api_server import ServerThread, build_app
 from engine.engine_backend import EngineBackend
@@ -40,7 +42,7 @@ def served(default_model):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(served[0])
 
 
 def metric(server, name: str, **labels) -> float:

@@ -204,26 +204,33 @@ def gated_server(default_model, request):
         server.close()
 
 
-def test_streams_and_health_carry_on_while_a_near_limit_body_is_parsed(gated_server):
-    server, gate = gated_server
+def run_held_at_the_gate(server: ServerThread, gate: GatedTokenizer, what: str, call, *args, **kwargs):
+    """`call(*args, **kwargs)` run on a thread beside another stream. While the gate holds it, the event loop is
+    free: /health answers and the other stream carries on. Its result once released, the other stream finished."""
     stream = StreamReader(server.url, {"prompt": [1, 2, 3], "max_tokens": 2000})
     stream.tokens(5)
-    body = json.dumps({"messages": [{"role": "user", "content": FILLER * (NEAR_LIMIT_CHARS // len(FILLER))}],
-                       "max_tokens": 8}).encode()
-    assert DEFAULT_MAX_BODY_BYTES - 500_000 < len(body) < DEFAULT_MAX_BODY_BYTES
     with ThreadPoolExecutor(1) as pool:
-        big = pool.submit(httpx.post, server.url + "/v1/chat/completions", content=body,
-                          headers={"Content-Type": "application/json"}, timeout=WAIT_S)
-        assert gate.entered.wait(WAIT_S), "the big request never reached its chat template"
-        # the big request sits in its templating; the loop still serves /health and the other stream's tokens
+        held = pool.submit(call, *args, **kwargs)
+        assert gate.entered.wait(WAIT_S), f"{what} never reached the gate"
         assert httpx.get(server.url + "/health", timeout=WAIT_S).status_code == 200
         before = len(stream.chunks)
         stream.tokens(before + 20)
-        assert not big.done() and not stream.done.is_set()
+        assert not held.done() and not stream.done.is_set()
         gate.release.set()
-        answer = big.result(WAIT_S)
-    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+        result = held.result(WAIT_S)
     assert stream.finish() == "length"
+    return result
+
+
+def test_streams_and_health_carry_on_while_a_near_limit_body_is_parsed(gated_server):
+    server, gate = gated_server
+    body = json.dumps({"messages": [{"role": "user", "content": FILLER * (NEAR_LIMIT_CHARS // len(FILLER))}],
+                       "max_tokens": 8}).encode()
+    assert DEFAULT_MAX_BODY_BYTES - 500_000 < len(body) < DEFAULT_MAX_BODY_BYTES
+    answer = run_held_at_the_gate(server, gate, "the big request's chat template", httpx.post,
+                                  server.url + "/v1/chat/completions", content=body,
+                                  headers={"Content-Type": "application/json"}, timeout=WAIT_S)
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
 
 
 def completion_of(url: str, body: dict) -> tuple[str, dict]:
@@ -255,18 +262,7 @@ def test_streams_and_health_carry_on_while_an_echoed_near_limit_prompt_is_detoke
     output_tokens, alternatives = 4, 5
     prompt = (gate.inner.encode(FILLER) * context)[:context - output_tokens]
     body = {"prompt": prompt, "max_tokens": output_tokens, "echo": True, "logprobs": alternatives, "stream": True}
-    stream = StreamReader(server.url, {"prompt": [1, 2, 3], "max_tokens": 2000})
-    stream.tokens(5)
-    with ThreadPoolExecutor(1) as pool:
-        big = pool.submit(completion_of, server.url, body)
-        assert gate.entered.wait(WAIT_S), "the echoed prompt's logprobs were never detokenized"
-        # the big answer sits in its detokenizing; the loop still serves /health and the other stream's tokens
-        assert httpx.get(server.url + "/health", timeout=WAIT_S).status_code == 200
-        before = len(stream.chunks)
-        stream.tokens(before + 20)
-        assert not big.done() and not stream.done.is_set()
-        gate.release.set()
-        streamed = big.result(WAIT_S)
+    streamed = run_held_at_the_gate(server, gate, "the echoed prompt's detokenizing", completion_of, server.url, body)
     whole = completion_of(server.url, {**body, "stream": False})
     n = len(prompt)
     decodes = gate.token_decodes.copy()
@@ -283,7 +279,6 @@ def test_streams_and_health_carry_on_while_an_echoed_near_limit_prompt_is_detoke
     # its alternatives to a token are the ids that follow it
     assert [set(top) for top in logprobs["top_logprobs"][1:n]] == \
         [{gate.inner.decode([t + j]) for j in range(alternatives)} for t in prompt[1:]]
-    assert stream.finish() == "length"
 
 
 def test_a_prompt_far_over_the_context_is_refused_without_tokenizing(gated_server):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import serving_fleet
+from conftest import openai_client, serving_fleet
 import torch
 
 from engine import LLM, SamplingParams
@@ -118,19 +118,15 @@ def served(request, offline, default_model):
         yield server, None
 
 
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def text_of(llm, token: int) -> str:
     return llm.tokenizer.decode([token])
 
 
 def test_completion_top_logprobs_whole_and_streamed(served, offline):
-    llm, ref = offline[0], offline[1]["completion"]
+    llm, ref, client = offline[0], offline[1]["completion"], openai_client(served[0])
     kwargs = dict(model=MODEL, prompt=TEXT, max_tokens=TOKENS, temperature=0, logprobs=3)
-    whole = client(served).completions.create(**kwargs).choices[0]
-    chunks = [c.choices[0] for c in client(served).completions.create(stream=True, **kwargs) if c.choices]
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
     streamed = [(tok, lp, top, off) for c in chunks if c.logprobs for tok, lp, top, off in zip(
         c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs, c.logprobs.text_offset)]
     assert whole.text == ref.text == "".join(c.text for c in chunks)
@@ -150,10 +146,10 @@ def test_completion_top_logprobs_whole_and_streamed(served, offline):
 
 
 def test_chat_top_logprobs_whole_and_streamed(served, offline):
-    llm, ref = offline[0], offline[1]["chat"]
+    llm, ref, client = offline[0], offline[1]["chat"], openai_client(served[0])
     kwargs = dict(model=MODEL, messages=CHAT, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=5)
-    whole = client(served).chat.completions.create(**kwargs).choices[0]
-    chunks = [c.choices[0] for c in client(served).chat.completions.create(stream=True, **kwargs) if c.choices]
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
     assert whole.message.content == ref.text == "".join(c.delta.content or "" for c in chunks)
     streamed = [entry for c in chunks if c.logprobs for entry in c.logprobs.content]
     for entries in (whole.logprobs.content, streamed):
@@ -166,12 +162,12 @@ def test_chat_top_logprobs_whole_and_streamed(served, offline):
 
 
 def test_echo_returns_the_prompt_and_its_logprobs(served, offline):
-    llm, ref = offline[0], offline[1]["completion"]
-    plain = client(served).completions.create(model=MODEL, prompt=TEXT, max_tokens=TOKENS, temperature=0, echo=True)
+    llm, ref, client = offline[0], offline[1]["completion"], openai_client(served[0])
+    plain = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=TOKENS, temperature=0, echo=True)
     assert plain.choices[0].text == TEXT + ref.text and plain.choices[0].logprobs is None
     kwargs = dict(model=MODEL, prompt=TEXT, max_tokens=TOKENS, temperature=0, echo=True, logprobs=3)
-    whole = client(served).completions.create(**kwargs).choices[0]
-    chunks = [c.choices[0] for c in client(served).completions.create(stream=True, **kwargs) if c.choices]
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
     assert whole.text == "".join(c.text for c in chunks) == TEXT + ref.text
     assert chunks[0].text.startswith(TEXT)
     prompt_ids = ref.prompt_token_ids
@@ -189,7 +185,7 @@ def test_echo_returns_the_prompt_and_its_logprobs(served, offline):
 
 
 def test_n_parallel_samples(served, offline):
-    c = client(served)
+    c = openai_client(served[0])
     kwargs = dict(model=MODEL, prompt=TEXT, max_tokens=8, temperature=1.0, seed=7, n=3,
                   extra_body={"ignore_eos": True})
     first = c.completions.create(**kwargs)
@@ -223,8 +219,8 @@ def test_n_samples_share_the_prompt_blocks(served):
     server.call(backend.async_engine.call(lambda e: e.step_hooks.append(hook)))
     try:
         prompt = list(range(1000, 1066))  # 4 full blocks of 16 and 2 tokens: with 10 more, 5 blocks each
-        r = client(served).completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, n=3,
-                                              extra_body={"ignore_eos": True})
+        r = openai_client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, n=3,
+                                                     extra_body={"ignore_eos": True})
     finally:
         server.call(backend.async_engine.call(lambda e: e.step_hooks.remove(hook)))
     assert r.usage.completion_tokens == 30
@@ -288,7 +284,7 @@ def test_harmless_fields_are_accepted(served, body):
 
 
 def test_unsupported_fields_through_the_openai_client(served):
-    c = client(served)
+    c = openai_client(served[0])
     with pytest.raises(openai.BadRequestError, match="tools is not supported"):
         c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, tools=[TOOL], tool_choice="auto")
     with pytest.raises(openai.BadRequestError, match="suffix is not supported"):

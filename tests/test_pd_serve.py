@@ -8,15 +8,14 @@ import asyncio
 import contextlib
 import time
 
-import openai
 import pytest
 
-from conftest import serving_fleet
+from conftest import openai_client, serving_fleet
 
 from cluster.fleet import InstanceStatus
 from cluster.launcher import LocalLauncher
 from cluster.serve import build_backend, parse_args
-from engine import LLM, EngineConfig, SamplingParams
+from engine import EngineConfig, SamplingParams
 
 NUM_KV_BLOCKS = 128
 MAX_TOKENS = 12
@@ -45,15 +44,6 @@ def pd_cluster(default_model):
         yield backend, server
 
 
-@pytest.fixture(scope="module")
-def offline(default_model):
-    return LLM(default_model, executor="emulated", num_kv_blocks=NUM_KV_BLOCKS, step_time=lambda *_: 0.0)
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_pd_fleet_serves_offline_greedy_text_through_a_hand_off(pd_cluster, offline, stream):
     backend, server = pd_cluster
@@ -63,11 +53,11 @@ def test_pd_fleet_serves_offline_greedy_text_through_a_hand_off(pd_cluster, offl
     want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].text
     kwargs = dict(model=backend.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
     if stream:
-        chunks = list(client(server).completions.create(stream=True, **kwargs))
+        chunks = list(openai_client(server).completions.create(stream=True, **kwargs))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert chunks[-1].choices[0].finish_reason == "length"
     else:
-        out = client(server).completions.create(**kwargs)
+        out = openai_client(server).completions.create(**kwargs)
         text = out.choices[0].text
         assert out.usage.completion_tokens == MAX_TOKENS and out.choices[0].finish_reason == "length"
     assert text and text == want
@@ -84,8 +74,8 @@ def test_pd_fleet_of_ray_actors_hands_off(default_model, offline):
         with pd_fleet(default_model, "--launcher", "ray") as (server, backend):
             prompt = "Two actors, one answer:"
             want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].text
-            out = client(server).completions.create(model=backend.model_name, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                    temperature=0)
+            out = openai_client(server).completions.create(model=backend.model_name, prompt=prompt,
+                                                           max_tokens=MAX_TOKENS, temperature=0)
             assert out.choices[0].text == want and want
             assert backend.service.counts["handed_off"] == 1
     finally:

@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from conftest import serving_fleet
+from conftest import openai_client, serving_fleet
 import torch
 
 from engine import LLM, SamplingParams
@@ -204,6 +204,7 @@ def test_each_distinct_schema_compiles_once_and_the_cache_is_bounded(tiny_json):
 
 # ---- the real model through the HTTP server -------------------------------------------------------------------------
 MODEL = "smollm2-test"
+NUM_KV_BLOCKS = 64
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                            "city": {"enum": ["Paris", "London", "Rome"]}},
@@ -219,9 +220,9 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def client(default_model):
-    llm = LLM(default_model, max_model_len=512, num_kv_blocks=64, tiers="std:5000:60000")
+    llm = LLM(default_model, max_model_len=512, num_kv_blocks=NUM_KV_BLOCKS, tiers="std:5000:60000")
     with ServerThread(build_app(EngineBackend(llm.engine, MODEL))) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield openai_client(server)
 
 
 def person_format(strict: bool = True) -> dict:
@@ -272,20 +273,19 @@ def test_bad_response_formats_are_400_naming_the_problem(client, fmt, reason):
 
 
 # ---- through the router ---------------------------------------------------------------------------------------------
-def test_router_forwards_response_format_to_its_engine(default_model):
+def test_router_forwards_response_format_to_its_engine(default_model, offline):
     """One emulated engine process behind the router: the same document as the offline emulated engine (its tokens
     are the nearest the grammar allows), and a bad schema refused with 400 from the worker."""
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
               "required": ["color", "ok"]}
     params = SamplingParams(temperature=0, max_tokens=40, structured_output=schema_of(schema))
-    offline = LLM(default_model, executor="emulated", num_kv_blocks=64, step_time=lambda *_: 0.0)
     want = offline.chat(ASK, params)[0]
     assert want.finish_reason == "stop"
     validate(json.loads(want.text), schema)
     with serving_fleet([
-            "--model", default_model, "--executor", "emulated", "--num-kv-blocks", "64", "--tiers", "std:2000:20000",
-            "--min-instances", "1", "--max-instances", "1", "--idle-pool", "0"]) as (server, backend):
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            "--model", default_model, "--executor", "emulated", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--tiers",
+            "std:2000:20000", "--min-instances", "1", "--max-instances", "1", "--idle-pool", "0"]) as (server, backend):
+        client = openai_client(server)
         r = client.chat.completions.create(model=backend.model_name, messages=ASK, max_tokens=40, temperature=0,
                                            response_format={"type": "json_schema", "json_schema": {
                                                "name": "c", "schema": schema, "strict": True}})
