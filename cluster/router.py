@@ -475,9 +475,7 @@ class Router:
         for view, how, budget in candidates:
             if view.status is not InstanceStatus.READY or not self._fits(view, budget, req, snap, now, early):
                 continue
-            state = InstanceState(tuple(view.residents.values()), view.kv_capacity_tokens, view.iteration_end,
-                                  budget)
-            first = self.checker.check(state, snap, now).first_token_time
+            first = self.checker.first_token_time(view.summary, view.iteration_end, budget, snap, now)
             if best is None or first < best[0]:
                 best = (first, view, how)
         return None if best is None else best[1:]

@@ -137,6 +137,13 @@ class AttainabilityChecker:
         return not self._second_token(summary, request, first, iterations, num_ahead, work_ahead) \
             > planned_first + request.tpot_s
 
+    def first_token_time(self, summary: ResidentSummary, iteration_end: float, tpot_ms: float,
+                         request: RequestSnapshot, now: float) -> float:
+        """`check(...).first_token_time` for an instance given by its parts, as `fits` reads them."""
+        budget_s = (request.slo.tpot_ms if request.slo.tpot_ms < tpot_ms else tpot_ms) / 1000.0
+        start = now if now > iteration_end else iteration_end
+        return self._first_token(summary, budget_s, request.first_token_due, start, request)[5]
+
     def fits_prefill(self, summary: ResidentSummary, kv_capacity_tokens: int, iteration_end: float,
                      request: RequestSnapshot, now: float, early_s: float = 0.0, transfer_s: float = 0.0) -> bool:
         """Can a prefill instance take r (see the module's doc)? Its prompts run in whole chunks of

@@ -408,12 +408,15 @@ def fits(checker, state, request, now, summary=None):
 
 
 def assert_same_verdicts(checker, state, candidates, now, reasons, summary=None):
-    """`check` and `fits` agree with the reference (`fits` reading `summary` when given: one read before, or one
-    its owner kept)."""
+    """`check`, `fits` and `first_token_time` agree with the reference (`fits` and `first_token_time` reading
+    `summary` when given: one read before, or one its owner kept)."""
     for request in candidates:
         expected = reference_check(checker, state, request, now)
         assert checker.check(state, request, now) == expected
         assert fits(checker, state, request, now, summary) is expected.ok
+        read = summary or ResidentSummary(state.residents, checker.output_lengths)
+        assert checker.first_token_time(read, state.iteration_end, state.tpot_ms, request, now) \
+            == expected.first_token_time
         reasons[expected.reason] += 1
 
 
