@@ -3,7 +3,7 @@
     python -m bench.goodput [--quick] [--prediction-error gpu-typical] [--workloads conv-4tier,code-4tier,...]
                             [--policies polyserve,random,...] [--ablations] [--fleets 8,16,64] [--leader-fleets 256]
                             [--seeds 2] [--processes 2] [--latency-profile FILE] [--out bench/results]
-    python -m bench.goodput --experiments autoscaled,speed,calibration,scan   (the other experiments; matrix too)
+    python -m bench.goodput --experiments autoscaled,speed,calibration,scan,pd   (the other experiments; matrix too)
     python -m bench.goodput --experiments scan --scan-fleets 256 --scan-rel-tol 0.02 [--scan-bracket LOW,HIGH]
     python -m bench.goodput --replot bench/results/goodput.json   (only redraw the plots of a saved report)
 
@@ -35,7 +35,9 @@ Other experiments (--experiments): autoscaled: PolyServe autoscaled through conv
 requests per instance-second held; speed: the time to simulate the whole conversation trace at 64 instances;
 calibration: the engine against the simulator, one engine in-process and a fleet of engine processes through the
 live router; scan: per-instance goodput of --policies (default polyserve) over --scan-fleets, in a longer window,
-each probe pooling seeds enough for as many instance-runs at every size. They run on the first of --workloads.
+each probe pooling seeds enough for as many instance-runs at every size; pd: prefill/decode disaggregation at
+--pd-fleets, each router of PD_POLICIES at its best static split of the fleet, beside co-located PolyServe and
+mixed-deadline-admission. They run on the first of --workloads.
 
 Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
 JSON. KV pool: what the weights leave of 90 % of 141 GB (scheduler/roofline.py). Tiers: the four default tiers
@@ -97,7 +99,12 @@ ABLATIONS = ("polyserve-no-gradient", "polyserve-no-promotion", "polyserve-eager
              "polyserve-promotion-before-scale-up")
 POLICIES = ("polyserve",) + BASELINES + ABLATIONS
 VIEWS = ("cumulative", "mean_tpot", "max_gap")  # SimResult.tier_attainment's views of attaining (DESIGN.md §1)
-EXPERIMENTS = ("matrix", "autoscaled", "speed", "calibration", "scan")
+EXPERIMENTS = ("matrix", "autoscaled", "speed", "calibration", "scan", "pd")
+PD_LINK = "nvlink"  # the PD experiment's KV link (scheduler/transfer.py)
+# PD mode: the routers compared, each with its engine policy as in the matrix, and the prefill shares of the fleet
+# each is searched at (a static split, the best of these per policy, as DistServe sizes its split offline)
+PD_POLICIES = ("polyserve", "mixed-deadline-admission", "mixed-deadline", "least-loaded", "random")
+PD_PREFILL_SHARES = (0.4375, 0.5, 0.5625, 0.625)
 REFERENCE_WORKLOAD = "conv-4tier"  # the default workload: the error sweep's and the tier-attainment plot's
 SPEED_INSTANCES = 64
 
@@ -168,7 +175,12 @@ def co_chunk_budget(model, tiers, bound: FluidBound) -> int:
     return max(16, largest_chunk(model, tiers[0].tpot_ms / 1000.0, tight.batch, kv, 2048))
 
 
-def make_simulator(policy: str, num_instances: int, model, tiers, co_budget: int, **config) -> Simulator:
+def make_simulator(policy: str, num_instances: int, model, tiers, co_budget: int, prefill_instances: int = 0,
+                   **config) -> Simulator:
+    """`policy` on `num_instances`; with `prefill_instances`, that many of them prefill instances (PD mode, the KV
+    over PD_LINK) and the rest decode instances, both placed by the policy's router."""
+    if prefill_instances:
+        config.update(prefill_instances=prefill_instances, transfer=PD_LINK)
     if policy == "polyserve":
         return Simulator(SimConfig(num_instances=num_instances, **config), tiers, model)
     if policy in ("random", "round-robin", "least-loaded"):
@@ -192,20 +204,22 @@ def make_simulator(policy: str, num_instances: int, model, tiers, co_budget: int
 
 # ---- jobs: each runs in a worker process ----------------------------------------------------------------------
 def _simulate(setup: Setup, policy: str, num_instances: int, co_budget: int, rate: float, seed: int,
-              give_up_below: float | None = None) -> SimResult:
+              give_up_below: float | None = None, prefill_instances: int = 0) -> SimResult:
     """One run of `policy` on `setup` at `rate`; with `give_up_below`, stopped once the window's pooled attainment
     can no longer reach it."""
     built = build_setup(setup)
-    sim = make_simulator(policy, num_instances, built.model, built.tiers, co_budget, seed=seed,
+    sim = make_simulator(policy, num_instances, built.model, built.tiers, co_budget, prefill_instances, seed=seed,
                          prediction_error=setup.error)
     return sim.run(setup.poisson(rate, seed), window=setup.window, give_up_below=give_up_below)
 
 
-def _score(setup: Setup, policy: str, num_instances: int, co_budget: int, rule: str, rate: float, seed: int) -> float:
+def _score(setup: Setup, policy: str, num_instances: int, co_budget: int, rule: str, rate: float, seed: int,
+           prefill_instances: int = 0) -> float:
     """The score of `rule` in the measured window; NaN for a run given up once its pooled attainment fell below the
     rule's target (then no rule can pass)."""
     goodput_rule = RULES[rule]
-    res = _simulate(setup, policy, num_instances, co_budget, rate, seed, give_up_below=goodput_rule.target)
+    res = _simulate(setup, policy, num_instances, co_budget, rate, seed, give_up_below=goodput_rule.target,
+                    prefill_instances=prefill_instances)
     if res.aborted:
         return math.nan
     return goodput_rule.score(res.attainment(setup.window), res.tier_attainment(setup.window))
@@ -342,15 +356,17 @@ class SearchJob:
     low: float
     high: float
     rel_tol: float
+    prefill_instances: int = 0  # PD mode: this many of the instances prefill (make_simulator)
 
     def run(self, map_fn=map, width: int = 1) -> dict:
         """Its simulations through `map_fn`, `width` rates per round (cluster.sim.goodput.search_goodput)."""
         t0 = time.perf_counter()
         score_at = functools.partial(_score, self.setup, self.policy, self.num_instances, self.co_budget,
-                                     EVERY_TIER.name)
+                                     EVERY_TIER.name, prefill_instances=self.prefill_instances)
         found = search_goodput(score_at, self.seeds, self.low, self.high, EVERY_TIER, rel_tol=self.rel_tol,
                                width=width, map_fn=map_fn)
-        return {"policy": self.policy, "num_instances": self.num_instances, **_search_summary(found),
+        return {"policy": self.policy, "num_instances": self.num_instances,
+                "prefill_instances": self.prefill_instances, **_search_summary(found),
                 "wall_s": time.perf_counter() - t0}
 
 
@@ -445,34 +461,47 @@ def _sim_latencies(res: SimResult, idx: np.ndarray, prefix: str) -> dict:
 
 
 def run_fleet_calibration(setup: Setup, time_scale: float, num_instances: int, load: float, duration: float,
-                          seed: int = 7) -> dict:
+                          seed: int = 7, prefill_instances: int = 0) -> dict:
     """The same workload through a live fleet (`num_instances` emulated engine processes behind the router
     service, cluster.sim.calibration.replay_on_fleet) and in the simulator with as many instances, the engines'
-    host time per step added. Run alone: the engines sleep in real time and share this machine's cores."""
+    host time per step added. Run alone: the engines sleep in real time and share this machine's cores.
+
+    `prefill_instances` > 0: prefill/decode disaggregation, that many prefill engines beside the `num_instances`,
+    which then decode, the KV over PD_LINK (emulated engines move none: a live hand-off is a loopback round trip,
+    the link's time in the router and the simulator, both small beside an emulated step); the simulator in the same
+    split. The rate stays `load` x the fluid bound of `num_instances`: the co-located calibration's very workload."""
     import asyncio
 
     from cluster.sim.calibration import (attained, replay_on_fleet, simulated_with_host_time,
                                          write_emulated_model_folder)
 
     model = emulated_latency_model(time_scale)
-    cfg = SimConfig(num_instances=num_instances, reveal_output_len=True)
+    engines = num_instances + prefill_instances
+    cfg = SimConfig(num_instances=engines, reveal_output_len=True)
     tiers, workloads = _workloads(setup, model, cfg)
     rate = load * setup.bound().rate(num_instances) / time_scale
     w = workloads.poisson(rate, duration, seed)
     with tempfile.TemporaryDirectory() as folder:
         live = asyncio.run(replay_on_fleet(
-            w, time_scale, num_instances, write_emulated_model_folder(folder), cfg.kv_blocks,
+            w, time_scale, engines, write_emulated_model_folder(folder), cfg.kv_blocks,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_prefill_chunk=cfg.max_prefill_chunk, model=model))
+            max_prefill_chunk=cfg.max_prefill_chunk, model=model, prefill_instances=prefill_instances,
+            transfer=PD_LINK))
     sim = simulated_with_host_time(cfg, tiers, model, w, live)
     live_attained = attained(w, live.token_times)
-    out = {"time_scale": time_scale, "instances": num_instances, "load": load, "rate": rate, "requests": len(w),
-           "failed": live.failed, "live_attainment": float(live_attained.mean()), "sim_attainment": sim.attainment(),
+    out = {"time_scale": time_scale, "instances": engines, "prefill_instances": prefill_instances, "link": PD_LINK,
+           "load": load, "rate": rate, "requests": len(w), "failed": live.failed, "refused": live.refused,
+           "handed_off": live.counts.get("handed_off", 0), "import_refused": live.counts.get("import_refused", 0),
+           "sim_handed_off": sim.counts.get("handed_off", 0),
+           "live_attainment": float(live_attained.mean()), "sim_attainment": sim.attainment(),
            "step_overhead_s": live.step_overhead_s, "step_overhead_per_seq_s": live.step_overhead_per_seq_s,
            "live_wall_s": live.wall_s, "live_stall_s": live.stall_s, "tiers": {}}
     for k, tier in enumerate(tiers):
-        idx = np.flatnonzero((w.tier_index == k) & np.array([t is not None for t in live.token_times]))
-        out["tiers"][tier.name] = {**_live_latencies(w, live.token_times, idx), **_sim_latencies(sim, idx, "sim")}
+        of_tier = w.tier_index == k
+        idx = np.flatnonzero(of_tier & np.array([t is not None for t in live.token_times]))
+        out["tiers"][tier.name] = {**_live_latencies(w, live.token_times, idx), **_sim_latencies(sim, idx, "sim"),
+                                   "live_attained": float(live_attained[of_tier].mean()) if of_tier.any() else None,
+                                   "sim_attained": float(sim.attained[of_tier].mean()) if of_tier.any() else None}
     return out
 
 
@@ -506,6 +535,7 @@ class Plan:
     autoscale_duration: float
     speed_duration: float | None
     calibration: tuple[float, float, float]  # time scale, rate per second of scaled time, duration
+    pd_fleets: tuple[int, ...]
     fleet_calibration: tuple[float, int, float, float] = (2.0, 4, 0.8, 8.0)  # time scale, instances, load, duration
 
 
@@ -518,13 +548,15 @@ def make_plan(args) -> Plan:
                     rel_tol=0.1, leader_rel_tol=0.1, coarse_rel_tol=0.15, coarse_from=64, sweep_fleet=16,
                     sweep_loads=(0.4, 0.55, 0.7, 0.85, 1.0), scan_fleets=(4, 8, 16), scan_warmup_s=6.0,
                     scan_window_s=20.0, scan_instance_runs=8, scan_rel_tol=0.1, autoscale_max=8,
-                    autoscale_duration=90.0, speed_duration=600.0, calibration=(0.5, 28.0, 8.0))
+                    autoscale_duration=90.0, speed_duration=600.0, calibration=(0.5, 28.0, 8.0),
+                    pd_fleets=(16,))
     else:
         plan = Plan(policies, fleets=(8, 16, 64), leader_fleets=(256,), seeds=(1, 2), warmup_s=8.0, window_s=12.0,
                     rel_tol=0.03, leader_rel_tol=0.05, coarse_rel_tol=0.1, coarse_from=64, sweep_fleet=16,
                     sweep_loads=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), scan_fleets=(8, 16, 32, 64, 128, 256),
                     scan_warmup_s=12.0, scan_window_s=48.0, scan_instance_runs=64, scan_rel_tol=0.03,
-                    autoscale_max=16, autoscale_duration=240.0, speed_duration=None, calibration=(1.0, 16.0, 20.0))
+                    autoscale_max=16, autoscale_duration=240.0, speed_duration=None, calibration=(1.0, 16.0, 20.0),
+                    pd_fleets=(8, 16, 64))
     if args.policies:
         plan.policies = tuple(args.policies.split(","))
         unknown = set(plan.policies) - set(POLICIES)
@@ -542,6 +574,8 @@ def make_plan(args) -> Plan:
         plan.scan_fleets = _ints(args.scan_fleets)
     if args.scan_rel_tol:
         plan.scan_rel_tol = args.scan_rel_tol
+    if args.pd_fleets:
+        plan.pd_fleets = _ints(args.pd_fleets)
     return plan
 
 
@@ -838,6 +872,51 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple
             "searches": searches}
 
 
+def pd_splits(num_instances: int) -> list[int]:
+    return sorted({min(num_instances - 1, max(1, round(share * num_instances))) for share in PD_PREFILL_SHARES})
+
+
+def run_pd(pool, plan: Plan, setup: Setup) -> dict:
+    """Goodput (headline rule) in PD mode of each of PD_POLICIES at its best split of PD_PREFILL_SHARES, beside
+    co-located PolyServe and mixed-deadline-admission on as many instances, at each of `plan.pd_fleets`, printed."""
+    bound = setup.bound()
+    built = build_setup(setup)
+    co_budget = co_chunk_budget(built.model, built.tiers, bound)
+    jobs = [SearchJob(setup, policy, n, co_budget, plan.seeds, 0.7 * bound.rate(n), 1.1 * bound.rate(n),
+                      plan.rel_tol, prefill)
+            for n in plan.pd_fleets
+            for policy, splits in [*((p, pd_splits(n)) for p in PD_POLICIES),
+                                   ("polyserve", [0]), ("mixed-deadline-admission", [0])]
+            for prefill in splits]
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)  # largest first: the pool stays busy
+    with _progress(len(jobs), "PD goodput") as progress:
+        ran = _map(pool, [jobs[i] for i in order], progress)
+    searches = [ran[order.index(i)] for i in range(len(jobs))]
+    print(f"\nPD disaggregation, {setup.workload.name}, KV over {PD_LINK} (headline goodput, req/s: every tier >= 90 % "
+          f"attaining; window {setup.window_s:.0f} s after {setup.warmup_s:.0f} s; the best static split of "
+          f"{', '.join(f'{x:g}' for x in PD_PREFILL_SHARES)} of the fleet prefilling):")
+    rows = []
+    for n in plan.pd_fleets:
+        cell = [s for s in searches if s["num_instances"] == n]
+        best = {}
+        for s in cell:
+            key = (s["policy"], "co-located" if s["prefill_instances"] == 0 else "PD")
+            if key not in best or s["goodput"] > best[key]["goodput"]:
+                best[key] = s
+        pd_baselines = [s for (policy, mode), s in best.items() if mode == "PD" and policy != "polyserve"]
+        strongest = max(pd_baselines, key=lambda s: s["goodput"])
+        ours = best[("polyserve", "PD")]
+        for (policy, mode), s in sorted(best.items(), key=lambda kv: -kv[1]["goodput"]):
+            split = f"{s['prefill_instances']}p+{n - s['prefill_instances']}d" if s["prefill_instances"] else f"{n}"
+            print(f"  {n:>4} instances  {mode:10} {policy:26} {split:>9} {_goodput(s):>10}")
+        ratio = ours["goodput"] / strongest["goodput"] if strongest["goodput"] else math.inf
+        print(f"  {n:>4} instances: PolyServe-PD / best PD baseline ({strongest['policy']}) {_ratio(ratio)}; "
+              f"PolyServe-PD / co-located PolyServe {_ratio(ours['goodput'] / best[('polyserve', 'co-located')]['goodput'])}")
+        rows.append({"num_instances": n, "ratio_to_best_pd_baseline": ratio, "best_pd_baseline": strongest["policy"]})
+    return {"workload": setup.workload.name, "link": PD_LINK, "shares": list(PD_PREFILL_SHARES), "searches": searches,
+            "summary": rows}
+
+
 def autoscale_job(plan: Plan, latency_profile: str | None, error: str) -> AutoscaleJob:
     """PolyServe autoscaled through conv-phase's phase change, at 0.6 x the headline bound of the largest fleet
     allowed, starting from the fleet that carries it at 0.8 x the bound per instance."""
@@ -879,7 +958,8 @@ def run_experiments(pool, plan: Plan, args, names: list[str], workload: Workload
               f"steps, {speed['policy_calls']:,} batch-policy calls; attainment {speed['attainment']:.1%})")
     if "calibration" in names:
         print_calibration(report["calibration"])
-        report["fleet_calibration"] = run_fleet_calibration(setup, *plan.fleet_calibration)  # alone: real time
+        report["fleet_calibration"] = run_fleet_calibration(  # alone: real time
+            setup, *plan.fleet_calibration, prefill_instances=args.calibration_prefill_instances)
         print_fleet_calibration(report["fleet_calibration"])
     if "scan" in names:
         scan_setup = Setup(workload, args.latency_profile, plan.scan_warmup_s, plan.scan_window_s,
@@ -888,6 +968,8 @@ def run_experiments(pool, plan: Plan, args, names: list[str], workload: Workload
         bracket = _bracket_arg(args.scan_bracket) if args.scan_bracket else (0.85 * per_instance, 1.15 * per_instance)
         policies = list(plan.policies) if args.policies else ["polyserve"]
         report["scan"] = run_scan(pool, plan, scan_setup, policies, bracket, args.processes)
+    if "pd" in names:
+        report["pd"] = run_pd(pool, plan, setup)
 
 
 def _bracket_arg(text: str) -> tuple[float, float]:
@@ -912,18 +994,28 @@ def print_calibration(calib: dict) -> None:
 
 
 def print_fleet_calibration(fleet: dict) -> None:
-    print(f"\nCalibration through the live router: {fleet['instances']} emulated engine processes behind the router "
-          f"service, latency model x{fleet['time_scale']}, {fleet['rate']:.1f} req/s ({fleet['load']:g} x the fluid "
-          f"bound), {fleet['requests']} requests ({fleet['failed']} failed): attaining live "
-          f"{fleet['live_attainment']:.1%}, simulator with the engines' host time "
-          f"({fleet['step_overhead_s'] * 1000:.2f} ms + {fleet['step_overhead_per_seq_s'] * 1e6:.1f} us per sequence) "
-          f"{fleet['sim_attainment']:.1%}; stalls {fleet['live_stall_s']:.2f} s of {fleet['live_wall_s']:.1f} s")
-    print(f"  {'tier':8} {'TTFT p50 ms live/sim':>22} {'TTFT p90':>16} {'TPOT p50 live/sim':>20} {'TPOT p90':>14}")
+    pd = fleet.get("prefill_instances", 0)
+    engines = (f"{pd} prefill + {fleet['instances'] - pd} decode emulated engine processes (KV over {fleet['link']}: "
+               f"{fleet['handed_off']} hand-offs live, {fleet['sim_handed_off']} simulated; {fleet['import_refused']} "
+               f"imports refused live)" if pd else f"{fleet['instances']} emulated engine processes")
+    print(f"\nCalibration through the live router: {engines} behind the router service, latency model "
+          f"x{fleet['time_scale']}, {fleet['rate']:.1f} req/s ({fleet['load']:g} x the fluid bound of "
+          f"{fleet['instances'] - pd}), {fleet['requests']} requests ({fleet['failed']} failed, "
+          f"{fleet.get('refused', 0)} refused): attaining live {fleet['live_attainment']:.1%}, simulator with the "
+          f"engines' host time ({fleet['step_overhead_s'] * 1000:.2f} ms + {fleet['step_overhead_per_seq_s'] * 1e6:.1f} "
+          f"us per sequence) {fleet['sim_attainment']:.1%}, live - sim "
+          f"{(fleet['live_attainment'] - fleet['sim_attainment']) * 100:+.1f} points; stalls "
+          f"{fleet['live_stall_s']:.2f} s of {fleet['live_wall_s']:.1f} s (CPU taken by other jobs)")
+    print(f"  {'tier':8} {'attained live/sim':>18} {'points':>7} {'TTFT p50 ms live/sim':>22} {'TTFT p90':>16} "
+          f"{'TPOT p50 live/sim':>20} {'TPOT p90':>14}")
     for name, t in fleet["tiers"].items():
         lt, st = np.array(t["live_ttft"]) * 1000, np.array(t["sim_ttft"]) * 1000
         lp, sp = np.array(t["live_tpot"]) * 1000, np.array(t["sim_tpot"]) * 1000
-        print(f"  {name:8} {_pct(lt, 50):10.1f} / {_pct(st, 50):7.1f} {_pct(lt, 90):7.1f} / {_pct(st, 90):6.1f} "
-              f"{_pct(lp, 50):10.2f} / {_pct(sp, 50):6.2f} {_pct(lp, 90):6.2f} / {_pct(sp, 90):5.2f}")
+        live_at, sim_at = t.get("live_attained"), t.get("sim_attained")
+        attained_cols = (f"{live_at:9.1%} / {sim_at:6.1%} {(live_at - sim_at) * 100:+7.1f}" if live_at is not None
+                         else f"{'-':>18} {'-':>7}")
+        print(f"  {name:8} {attained_cols} {_pct(lt, 50):10.1f} / {_pct(st, 50):7.1f} {_pct(lt, 90):7.1f} / "
+              f"{_pct(st, 90):6.1f} {_pct(lp, 50):10.2f} / {_pct(sp, 50):6.2f} {_pct(lp, 90):6.2f} / {_pct(sp, 90):5.2f}")
 
 
 # ---- main ------------------------------------------------------------------------------------------------------
@@ -951,6 +1043,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="relative tolerance of the fleet-size scan's search")
     ap.add_argument("--scan-bracket", default=None, metavar="LOW,HIGH",
                     help="per-instance rates the scan's searches start from (default 0.85 and 1.15 x the bound)")
+    ap.add_argument("--calibration-prefill-instances", type=int, default=0, metavar="N",
+                    help="calibration: the fleet calibration disaggregated, N prefill engines beside its engines, "
+                         "which then decode, on the same workload (default 0: co-located)")
+    ap.add_argument("--pd-fleets", default=None, help="comma-separated fleet sizes of the PD experiment "
+                                                      "(full: 8,16,64)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the plots of a saved report")
     return ap.parse_args(argv)
