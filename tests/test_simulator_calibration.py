@@ -3,9 +3,12 @@
 virtual clock agrees with the simulator to rounding, with no host time and no stall; the host-time fit recovers what
 synthetic steps were given and counts as stall only what it cannot explain; and the simulator adds a fitted host
 time to every step. The same comparisons in real time depend on how busy the machine is, which no test controls:
-they are the benchmark (`python -m bench.calibration_replay`)."""
+they are the benchmark (`python -m bench.calibration_replay`). A short replay through a live prefill/decode fleet
+(emulated engine processes behind the router service) serves every request whole, its first token from a prefill
+engine and the rest from one decode engine, and the simulator replays it in the same split."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
@@ -13,10 +16,11 @@ import pytest
 
 from bench.calibration_replay import engine_policy, engine_setup
 from cluster.sim.calibration import (STALL_THRESHOLD_S, EngineReplay, attained, host_time, replay_on_engine,
-                                     simulated_with_host_time, write_emulated_model_folder)
+                                     replay_on_fleet, simulated_with_host_time, write_emulated_model_folder)
 from cluster.sim.simulator import SimConfig
 from cluster.sim.workload import Workload
 from scheduler.prediction_error import PredictionError
+from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import Tier, TierSet
 from scheduler.types import StepStats
 
@@ -110,3 +114,33 @@ def test_simulator_adds_the_fitted_host_time_to_every_step():
     np.testing.assert_allclose(np.diff(added), np.diff(plain) + per_step, rtol=0, atol=1e-12)
     assert np.diff(plain) == pytest.approx(0.01 + 1e-3 + 1e-3, abs=1e-12)  # the model's decode plus the config's
     assert added[0] == pytest.approx(plain[0] + per_step, abs=1e-12)
+
+
+def test_live_pd_fleet_hands_every_request_from_a_prefill_to_a_decode_engine(tmp_path):
+    """One prefill and two decode engine processes: every request comes back whole, its first token from the
+    prefill engine and every later one from a single decode engine; the one-token requests end on the prefill
+    engine. Judged by where tokens came from, never by when (every request is served, however late)."""
+    model = emulated_latency_model(1.0)
+    tiers = TierSet([Tier("tight", tpot_ms=50.0, ttft_ms=500.0), Tier("loose", tpot_ms=200.0, ttft_ms=5000.0)])
+    output_lens = np.array([6, 1, 12, 3, 9, 1, 4, 7])
+    n = len(output_lens)
+    w = Workload(0.04 * np.arange(n), np.array([40, 300, 120, 900, 64, 17, 500, 230]), output_lens,
+                 np.array([0, 1] * (n // 2), np.int8), tiers)
+    live = asyncio.run(replay_on_fleet(w, 1.0, 3, write_emulated_model_folder(tmp_path), 1024, max_num_seqs=64,
+                                       max_num_batched_tokens=2048, max_prefill_chunk=2048, model=model,
+                                       shed_late=False, prefill_instances=1))
+    assert live.failed == 0 and live.refused == 0
+    assert sorted(live.roles.values()) == ["decode", "decode", "prefill"] and live.prefill_instances == 1
+    for i, (times, where) in enumerate(zip(live.token_times, live.token_instances)):
+        assert times is not None and len(times) == len(where) == output_lens[i], f"request {i}"
+        assert live.roles[where[0]] == "prefill", f"request {i}"
+        assert len(set(where[1:])) <= 1 and all(live.roles[x] == "decode" for x in where[1:]), f"request {i}"
+    assert live.counts.get("handed_off") == int((output_lens > 1).sum())
+    assert not live.counts.get("transfer_failed") and not live.counts.get("migrated")
+
+    config = SimConfig(num_instances=3, shed_late=False, reveal_output_len=True, max_num_seqs=64,
+                       max_num_batched_tokens=2048, num_kv_blocks=1024)
+    sim = simulated_with_host_time(config, tiers, model, w, live)
+    assert sim.served.all() and sim.handed_off.tolist() == (output_lens > 1).tolist()
+    with pytest.raises(ValueError, match="not the replayed fleet's"):
+        simulated_with_host_time(dataclasses.replace(config, prefill_instances=2), tiers, model, w, live)

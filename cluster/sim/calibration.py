@@ -13,7 +13,11 @@ Two clocks for the engine:
 router service (cluster/service.py), the workload's requests sent through it in real time, against the simulator
 with as many instances. Its engines may sleep a prediction-error truth (scheduler/prediction_error.py) rather than
 the model itself; the host time is then what a step took beyond the truth it slept, which the replay rebuilds from
-the engines' seeds and step reports.
+the engines' seeds and step reports. With `prefill_instances`, the fleet is disaggregated (DESIGN.md §7): the
+launcher starts that many prefill engines and the rest decode engines, the router learns each one's role from its
+Hello and counts the KV link's transfer time, and the simulator runs the same split over the same link. Emulated
+engines have no KV, so a live hand-off moves no bytes: its transfer is the pull's round trip on loopback, against the
+link's nominal time in the router and the simulator; both are small beside an emulated step.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from scheduler.headroom import Headroom
 from scheduler.latency_model import LatencyModel
 from scheduler.prediction_error import EXACT, StepTruth, prediction_error
 from scheduler.roofline import LLAMA_3_1_8B, ModelShape
+from scheduler.transfer import transfer_model
 from scheduler.types import BatchPolicy
 
 STALL_THRESHOLD_S = 1e-3  # host time a step may spend beyond the fit before it counts as a stall
@@ -192,6 +197,12 @@ class FleetReplay:
     # the engines' steps (their gaps between steps are not reported) and the router's event loop late by over
     # STALL_THRESHOLD_S
     stall_s: float
+    # with token_times: the instance that emitted each token (None where token_times is)
+    token_instances: list[list[str] | None]
+    roles: dict[str, str]  # instance id -> its engine role as its Hello said ("both": co-located)
+    counts: dict[str, int]  # the service's tallies: hand-offs, refused imports, failed transfers, migrations
+    prefill_instances: int = 0  # prefill/decode disaggregation: the engines of role prefill, the rest decode
+    transfer: str = "nvlink"  # with prefill_instances: the KV link the router was told (scheduler.transfer.LINKS)
 
 
 class _ReportKeepingService(RouterService):
@@ -199,44 +210,67 @@ class _ReportKeepingService(RouterService):
         super().__init__(*args, **kwargs)
         # every step each instance reported, in order (a report tells of the steps since the previous one)
         self.step_reports: defaultdict[str, list[protocol.StepTiming]] = defaultdict(list)
+        # request id -> the instance each token the service took for its stream came from
+        self.token_instances: defaultdict[str, list[str]] = defaultdict(list)
 
     def _on_message(self, link, msg) -> None:
         if isinstance(msg, protocol.StepReport):
             self.step_reports[link.instance_id].extend(msg.steps)
+        if not isinstance(msg, protocol.Tokens):
+            super()._on_message(link, msg)
+            return
+        # the tokens the service takes into each stream (it drops those of an instance the stream has left)
+        streams = {d.request_id: s for d in msg.deltas if (s := self.streams.get(d.request_id)) is not None}
+        before = {request_id: len(s.token_ids) for request_id, s in streams.items()}
         super()._on_message(link, msg)
+        for request_id, s in streams.items():
+            self.token_instances[request_id] += [link.instance_id] * (len(s.token_ids) - before[request_id])
 
 
 async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: int, model_folder: str,
                           num_kv_blocks: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                           max_prefill_chunk: int, model: LatencyModel, prediction_error: str = "exact",
-                          step_seed: int = 0, shed_late: bool = True) -> FleetReplay:
+                          step_seed: int = 0, shed_late: bool = True, prefill_instances: int = 0,
+                          transfer: str = "nvlink") -> FleetReplay:
     """Runs `workload` through a live fleet: `num_instances` emulated engine processes (each sleeping, per step,
     the truth of `model`, the emulated latency model at `time_scale`, under the `prediction_error` preset, its draws
     seeded by `step_seed` and its instance id; batch policy PolyServe), attached to a RouterService whose Router
     (policy polyserve, no autoscaler: the fleet is fixed, as in the simulator) places every request. Each request
     is sent at its arrival with max_tokens = its output length (ignore_eos), so it ends exactly there. `shed_late`:
-    the Router's (False: every request served, however late)."""
+    the Router's (False: every request served, however late).
+
+    `prefill_instances` > 0: that many of the engines are started with role prefill and the rest with role decode
+    (the launcher's rule), and the router counts a hand-off's KV as crossing the `transfer` link (a preset of
+    scheduler.transfer.LINKS, for the emulated model's KV size)."""
+    if not 0 <= prefill_instances < num_instances:
+        raise ValueError(f"prefill_instances must be non-negative and leave a decode instance among {num_instances}, "
+                         f"got {prefill_instances}")
     router = Router(workload.tiers, model, max_prefill_chunk=max_prefill_chunk, shed_late=shed_late,
-                    expected_output_tokens=float(workload.output_lens.mean()) if len(workload) else 128.0)
+                    expected_output_tokens=float(workload.output_lens.mean()) if len(workload) else 128.0,
+                    transfer=transfer_model(transfer) if prefill_instances else None)
     launcher = LocalLauncher(EngineConfig(model=model_folder, executor="emulated", num_kv_blocks=num_kv_blocks,
                                           time_scale=time_scale, max_num_seqs=max_num_seqs,
                                           max_num_batched_tokens=max_num_batched_tokens,
                                           max_prefill_chunk=max_prefill_chunk, prediction_error=prediction_error,
-                                          step_seed=step_seed))
+                                          step_seed=step_seed), prefill_instances=prefill_instances)
     service = _ReportKeepingService(router, launcher=launcher, heartbeat_timeout_s=10.0)
     await service.start()
     try:
         for k in range(num_instances):
             await service.attach(*await launcher.start(f"engine-{k}"))
+        roles = {instance_id: router.roles.get(instance_id, "both") for instance_id in service.links}
         with _heap_frozen():
             token_times, failed, refused, wall, lags = await _send_all(service, workload)
     finally:
         await service.stop()
     reports = [r for steps in service.step_reports.values() for r in steps]
     slept = _slept(service.step_reports, model, prediction_error, step_seed)
+    token_instances = [None if times is None else service.token_instances[f"r{i}"]
+                       for i, times in enumerate(token_times)]
     return FleetReplay(token_times, failed, refused, wall,
                        {instance_id: len(steps) for instance_id, steps in service.step_reports.items()},
-                       *host_time(reports, slept, lags))
+                       *host_time(reports, slept, lags), token_instances, roles, dict(service.counts),
+                       prefill_instances, transfer)
 
 
 def _slept(step_reports: dict[str, list[protocol.StepTiming]], model: LatencyModel, error: str,
@@ -320,12 +354,20 @@ def simulated_with_host_time(config: SimConfig, tiers, model: LatencyModel, work
                              replay: EngineReplay | FleetReplay,
                              policy_factory: Callable[[LatencyModel, Headroom], BatchPolicy] | None = None) -> SimResult:
     """The simulator on `workload` with `replay`'s fitted host time added to every step, on top of the host time
-    of the config's prediction error; `policy_factory` as the Simulator takes it (the live engine's policy)."""
+    of the config's prediction error; `policy_factory` as the Simulator takes it (the live engine's policy). A fleet
+    replay's prefill/decode split and KV link are the simulator's too: a config naming another split is refused."""
     error = config.prediction_error
     with_host_time = dataclasses.replace(error, host_s=error.host_s + replay.step_overhead_s,
                                          host_per_seq_s=error.host_per_seq_s + replay.step_overhead_per_seq_s)
-    return Simulator(dataclasses.replace(config, prediction_error=with_host_time), tiers, model,
-                     policy_factory=policy_factory).run(workload)
+    config = dataclasses.replace(config, prediction_error=with_host_time)
+    if isinstance(replay, FleetReplay):
+        if config.prefill_instances and (config.prefill_instances, config.transfer) != (replay.prefill_instances,
+                                                                                        replay.transfer):
+            raise ValueError(f"the config's {config.prefill_instances} prefill instances over {config.transfer} are "
+                             f"not the replayed fleet's {replay.prefill_instances} over {replay.transfer}")
+        if replay.prefill_instances:
+            config = dataclasses.replace(config, prefill_instances=replay.prefill_instances, transfer=replay.transfer)
+    return Simulator(config, tiers, model, policy_factory=policy_factory).run(workload)
 
 
 def attained(workload: Workload, token_times: list[list[float] | None]) -> np.ndarray:
