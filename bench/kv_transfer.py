@@ -5,20 +5,23 @@
                                 [--repeats 3] [--max-bytes 1073741824]
 
 One request's prompt KV, in a cache of the model's shape whose blocks lie scattered (a shuffled block table), goes
-from a sender process to this one over asyncio on 127.0.0.1. The KV path is the engine's: the sender reads the blocks
-and frames them (`stream_blocks`), writes each frame behind a 4-byte length as the cluster protocol does and drains;
-this side feeds the frames to a `KvReceiver` and, once the transfer is complete and verified, writes them into a
-cache tensor of its own (`write_blocks`). The plain copy sends the same bytes from one contiguous buffer in chunks
-of the same size, unframed and unchecked, into one preallocated buffer here: what the socket and the event loop
-allow these two processes. Each repeat runs the plain copy and then the KV transfer; both are timed on this side,
-from the request to the sender until the last byte is in place; the median of the repeats is reported.
+from a sender process to this one over asyncio on 127.0.0.1. The KV path is the cluster's pull (cluster/worker.py):
+the sender reads the blocks and frames them (`stream_blocks`), writes each frame as a cluster protocol `KvData` frame
+(`encode_kv_data`: its head, then the chunk's data from where it lies) and drains; this side reads the `KvData`
+frames, decodes the hand-off frame inside, feeds it to a `KvReceiver` and, once the transfer is complete and
+verified, writes the payload into a cache tensor of its own (`write_blocks`, as `Engine.finish_import` does). The
+plain copy sends the same bytes from one contiguous buffer in chunks of the same size, unframed and unchecked, into
+one preallocated buffer here: what the socket and the event loop allow these two processes. Each repeat runs the
+plain copy and then the KV transfer; both are timed on this side, from the request to the sender until the last
+byte is in place; the median of the repeats is reported.
 
 --receiver picks how this side reads, the plain copy and the KV frames alike: `buffered` (an
 `asyncio.BufferedProtocol`: the plain copy lands straight in its destination, the frames in one reused buffer where
-they are decoded in place) or `streams` (`StreamReader.readexactly`, as `cluster.protocol.read_message` does; the
-plain copy's pieces are then copied into the destination). The sender writes with `StreamWriter` in both. The first
-repeat checks that the blocks that landed hold the bytes sent. Payloads above --max-bytes are skipped (this side
-holds each one four times over while checking it). Figures depend on the load of the machine: give the load average.
+they are decoded in place) or `streams` (`cluster.protocol.read_message` on a `StreamReader`, as the decode worker
+reads its pull; the plain copy's pieces, read with `readexactly`, are then copied into the destination). The sender
+writes with `StreamWriter` in both. The first repeat checks that the blocks that landed hold the bytes sent.
+Payloads above --max-bytes are skipped (this side holds each one four times over while checking it). Figures depend
+on the load of the machine: give the load average.
 """
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.kv_transfer import KvEnd, KvLayout, KvReceiver, MAX_CHUNK_BYTES, Handoff, decode_frame, \
-    encode_frame, read_blocks, stream_blocks, write_blocks
+from cluster import protocol as p
+from engine.kv_transfer import KvEnd, KvLayout, KvReceiver, MAX_CHUNK_BYTES, Handoff, decode_frame, read_blocks, \
+    stream_blocks, write_blocks
 from engine.model_config import DTYPES
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
@@ -118,9 +122,9 @@ async def _sender(port: int, cases: list[Case], chunk_bytes: int) -> None:
                 await writer.drain()
         elif command.op == "kv":
             for frame in stream_blocks(case.label, cache, case.layout, block_ids, 0, chunk_bytes):
-                payload = encode_frame(frame)
-                writer.write(HEADER.pack(len(payload)))
-                writer.write(payload)
+                head, data = p.encode_kv_data(frame)
+                writer.write(head)
+                writer.write(data)
                 await writer.drain()
     writer.close()
     await writer.wait_closed()
@@ -197,11 +201,9 @@ class StreamLink:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
 
-    async def frames(self, on_frame) -> None:
-        while True:
-            (size,) = HEADER.unpack(await self.reader.readexactly(HEADER.size))
-            if on_frame(await self.reader.readexactly(size)):
-                return
+    async def frames(self, on_message) -> None:
+        while not on_message(await p.read_message(self.reader, thread_decode_bytes=p.MAX_FRAME_BYTES)):
+            pass
 
 
 @dataclass(slots=True)
@@ -264,17 +266,17 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
                     plain_s = time.perf_counter() - start
                 receiver = KvReceiver(case.handoff(), 0, block_ids, 0)
 
-                def on_frame(payload) -> bool:
-                    frame = decode_frame(payload)
+                def on_message(msg: p.KvData) -> bool:
+                    frame = decode_frame(msg.frame)
                     receiver.receive(frame)
                     return isinstance(frame, KvEnd)
 
                 start = time.perf_counter()
                 command("kv", index)
                 if receiver_kind == "streams":
-                    await link.frames(on_frame)
+                    await link.frames(on_message)
                 else:
-                    await link.expect_frames(on_frame)
+                    await link.expect_frames(lambda payload: on_message(p.decode_payload(payload)))
                 write_blocks(cache, block_ids, receiver.payload)
                 kv_s = time.perf_counter() - start
                 if repeat == 0:  # what landed is what was sent, in its blocks
@@ -321,8 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in args.dtypes.split(","):
         if dtype not in DTYPES:
             parser.error(f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
-    if args.chunk_bytes < 1 or args.repeats < 1:
-        parser.error("--chunk-bytes and --repeats must be positive")
+    if not 0 < args.chunk_bytes <= p.MAX_FRAME_BYTES // 2 or args.repeats < 1:
+        parser.error(f"--chunk-bytes must lie in [1, {p.MAX_FRAME_BYTES // 2}] (as a worker's) and --repeats be "
+                     f"positive")
     tokens = [int(t) for t in args.tokens.split(",") if t.isdigit() and int(t) > 0]
     if len(tokens) != len(args.tokens.split(",")):
         parser.error(f"--tokens must be positive integers, got {args.tokens!r}")

@@ -27,6 +27,7 @@ from typing import Annotated, Union
 
 import msgspec
 
+from engine import kv_transfer
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from scheduler.slo import SLO
@@ -216,7 +217,9 @@ class KvPull(_Message, tag=_tag("kv_pull")):
 
 
 class KvData(_Message, tag=_tag("kv_data")):
-    frame: bytes  # one engine.kv_transfer frame, encoded by that module (KvBegin, KvChunk or KvEnd)
+    # one engine.kv_transfer frame, encoded by that module (KvBegin, KvChunk or KvEnd); decoded, a view of the payload
+    # it came in, not a copy (`encode_kv_data` writes it without one either)
+    frame: memoryview
 
 
 class KvRefused(_Message, tag=_tag("kv_refused")):
@@ -269,6 +272,21 @@ def encode_frame(msg: _Message, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
     return bytes(buf)
 
 
+_KV_DATA_HEAD = _encoder.encode(KvData(memoryview(b"")))[:-len(kv_transfer.bin_header(0))]
+
+
+def encode_kv_data(frame: kv_transfer.KvFrame, max_bytes: int = MAX_FRAME_BYTES) -> tuple[bytes, memoryview]:
+    """`encode_frame(KvData(kv_transfer.encode_frame(frame)))` as (head, data), the same bytes once joined: a
+    chunk's data is not copied into the frame but written after the head from where it lies (`writer.write` each in
+    turn; `writelines` would join them, a copy). ValueError if the message exceeds the frame bound."""
+    head, data = kv_transfer.encode_frame_parts(frame)
+    inner = len(head) + data.nbytes
+    size = len(_KV_DATA_HEAD) + len(kv_transfer.bin_header(inner)) + inner
+    if size > max_bytes:
+        raise ValueError(f"KvData frame of {size} bytes exceeds the bound of {max_bytes} bytes")
+    return HEADER.pack(size) + _KV_DATA_HEAD + kv_transfer.bin_header(inner) + head, data
+
+
 def decode_payload(payload: bytes | memoryview) -> Message:
     try:
         return _decoder.decode(payload)
@@ -276,8 +294,11 @@ def decode_payload(payload: bytes | memoryview) -> Message:
         raise ProtocolError(f"malformed frame: {e}") from None
 
 
-async def read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> Message | None:
-    """The next message, or None when the peer closed the stream cleanly between frames."""
+async def read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES,
+                       thread_decode_bytes: int = THREAD_DECODE_BYTES) -> Message | None:
+    """The next message, or None when the peer closed the stream cleanly between frames. Frames over
+    `thread_decode_bytes` are decoded off the event loop: a reader of KvData frames, whose decoding copies nothing
+    whatever their size, keeps them on it by a larger bound."""
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as e:
@@ -291,6 +312,6 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_
         payload = await reader.readexactly(size)
     except asyncio.IncompleteReadError as e:
         raise ProtocolError(f"stream ended inside a frame ({len(e.partial)} of {size} bytes)") from None
-    if size > THREAD_DECODE_BYTES:  # a prompt's top logprobs: decoded beside the loop, which keeps its other streams
+    if size > thread_decode_bytes:  # a prompt's top logprobs: decoded beside the loop, which keeps its other streams
         return await asyncio.to_thread(decode_payload, payload)
     return decode_payload(payload)

@@ -97,7 +97,8 @@ class _PeerKv:
                 return
 
     async def _read(self, reader: asyncio.StreamReader):
-        msg = await asyncio.wait_for(p.read_message(reader), KV_PULL_TIMEOUT_S)
+        # on the loop whatever the size: a KvData frame decodes to views of the frame read, no copy to move off it
+        msg = await asyncio.wait_for(p.read_message(reader, thread_decode_bytes=p.MAX_FRAME_BYTES), KV_PULL_TIMEOUT_S)
         if msg is None:
             raise ConnectionError("the KV peer closed the connection mid-transfer")
         return msg
@@ -430,7 +431,9 @@ class Worker:
         try:
             frames = await self.async_engine.call(Engine.export_kv, rid, pull.first_block, self.kv_chunk_bytes)
             while (frame := await asyncio.to_thread(next, frames, None)) is not None:  # reads the cache
-                writer.write(p.encode_frame(p.KvData(kv_transfer.encode_frame(frame))))
+                head, data = p.encode_kv_data(frame)
+                writer.write(head)
+                writer.write(data)  # from the blocks read: not copied into the frame
                 await writer.drain()  # the next chunk is read once the socket took this one
         except ValueError as err:  # a first block outside the prompt's
             writer.write(p.encode_frame(p.Error(rid, "invalid", str(err))))

@@ -261,9 +261,13 @@ class Engine:
         self.handoffs[req.request_id] = req
         return self._output(req, [token], self.detok[req.request_id].take_delta(False))
 
+    def _blocks_for(self, num_tokens: int) -> int:
+        """How many KV blocks hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
     def can_import(self, handoff: Handoff) -> bool:
         """Whether this engine could reserve the request's blocks now (`reserve_import`), before any transfer."""
-        needed = -(-(len(handoff.prompt_token_ids) + 1) // self.block_size)
+        needed = self._blocks_for(len(handoff.prompt_token_ids) + 1)
         return self.role == "decode" and needed <= self.blocks.num_free_blocks()
 
     def reserve_import(self, handoff: Handoff) -> KvReceiver:
@@ -283,7 +287,7 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"request {rid!r} of {len(ids)} tokens has no room to continue in the "
                                       f"context length of {self.max_model_len}")
-        if handoff.num_blocks != -(-len(prompt) // self.block_size):
+        if handoff.num_blocks != self._blocks_for(len(prompt)):
             raise KvTransferError(f"request {rid!r}: {handoff.num_blocks} blocks cannot hold a prompt of "
                                   f"{len(prompt)} tokens in blocks of {self.block_size}")
         seq_id = next(self._seq_ids)
@@ -291,7 +295,7 @@ class Engine:
         cached = self.blocks.allocate_cached_prefix(seq_id)
         if not self.blocks.ensure_capacity(seq_id, len(ids)):
             self.blocks.remove_sequence(seq_id)
-            raise KvImportRefused(f"request {rid!r} needs {-(-len(ids) // self.block_size)} KV blocks, "
+            raise KvImportRefused(f"request {rid!r} needs {self._blocks_for(len(ids))} KV blocks, "
                                   f"{self.blocks.num_free_blocks()} are free")
         receiver = KvReceiver(handoff, seq_id, list(self.blocks.block_table(seq_id)), cached // self.block_size)
         self.imports[rid] = receiver

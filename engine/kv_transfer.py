@@ -19,8 +19,9 @@ a transport can carry them as they are (`encode_frame` / `decode_frame`). They l
 because the engine produces and checks them itself: an in-process transport needs no cluster code.
 
 The bytes are copied as little as the frames allow: a chunk's data is a view of the blocks read for it (no copy of
-its own), a decoded chunk's data a view of the decoded buffer, which the receiver copies once, into its staging
-payload, and checks there while the bytes are still in the processor's cache.
+its own), and `encode_frame_parts` encodes a chunk without copying its data in, so that a transport writes the data
+from where it lies; a decoded chunk's data is a view of the decoded buffer, which the receiver copies once, into its
+staging payload, and checks there while the bytes are still in the processor's cache.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ MAX_CHUNK_BYTES = 1 << 20
 _FOLD_BYTES = 4096
 _WORD = np.dtype("<u8")
 _STAGING_KEPT_BYTES = 2 << 30  # staging buffers kept for later transfers, at most
+_READS_KEPT_BYTES = 64 << 20  # buffers of a sender's block reads kept for later reads, at most
 
 
 class KvTransferError(Exception):
@@ -140,6 +142,30 @@ def encode_frame(frame: KvFrame) -> bytes:
     return _encoder.encode(frame)
 
 
+def bin_header(size: int) -> bytes:
+    """The msgpack header of a bin (bytes) value of `size` bytes, in the narrowest form, as msgspec writes it."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
+
+
+_EMPTY_BIN = bin_header(0)
+_NO_DATA = memoryview(b"")
+
+
+def encode_frame_parts(frame: KvFrame) -> tuple[bytes, memoryview]:
+    """`encode_frame(frame)` as (head, data), the same bytes once joined, without copying a chunk's data into the
+    encoding: the data is the chunk's last field, so the head ends with its bin header and the data follows as it
+    lies (empty for the other frames). A transport writes both in turn."""
+    if not isinstance(frame, KvChunk):
+        return encode_frame(frame), _NO_DATA
+    data = memoryview(frame.data).cast("B")
+    head = _encoder.encode(KvChunk(frame.request_id, frame.index, frame.checksum, b""))
+    return head[:-len(_EMPTY_BIN)] + bin_header(data.nbytes), data
+
+
 def decode_frame(payload: bytes | memoryview) -> KvFrame:
     """The frame `payload` encodes; KvTransferError when it is none of this version's. A chunk's data is a view of
     `payload`: a transport that reuses its read buffer hands the chunk to `KvReceiver.receive` before it does."""
@@ -173,14 +199,24 @@ def _chain(crc: int, checksum: int) -> int:
     return zlib.crc32(checksum.to_bytes(4, "big"), crc)
 
 
-def read_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> np.ndarray:
-    """The blocks' KV as one host byte array, block after block (the payload's order). On the CPU through numpy,
-    whose strided copies of these slices are many times faster than torch's."""
+def read_blocks(kv_cache: torch.Tensor, block_ids: list[int], out: np.ndarray | None = None) -> np.ndarray:
+    """The blocks' KV as one host byte array, block after block (the payload's order): the leading bytes of `out`
+    (a byte array of at least their size) when given, else a new array. On the CPU through numpy, whose strided
+    copies of these slices are many times faster than torch's."""
     raw = kv_cache.view(torch.uint8)
+    shape = (len(block_ids), *raw[:, :, 0].shape)
+    size = int(np.prod(shape))
+    if out is None:
+        out = np.empty(size, dtype=np.uint8)
+    elif out.dtype != np.uint8 or out.ndim != 1 or len(out) < size:
+        raise ValueError(f"out must be a flat byte array of at least {size} bytes, got {out.dtype} {out.shape}")
+    blocks = out[:size].reshape(shape)
     if raw.device.type == "cpu":
         cache = raw.numpy()
-        return np.stack([cache[:, :, b] for b in block_ids]).reshape(-1)
-    return torch.stack([raw[:, :, b] for b in block_ids]).cpu().numpy().reshape(-1)
+        np.stack([cache[:, :, b] for b in block_ids], out=blocks)
+    else:
+        torch.from_numpy(blocks).copy_(torch.stack([raw[:, :, b] for b in block_ids]))
+    return out[:size]
 
 
 def write_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.Tensor) -> None:
@@ -218,7 +254,11 @@ def _frames(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, bl
     yield KvBegin(request_id, layout, first_block, len(block_ids), len(wanted) * layout.block_bytes, num_chunks)
     crc = index = 0
     for read in reads:
-        blocks = read_blocks(kv_cache, read)
+        # into a kept buffer, which goes back once the chunks' views of it are gone (sent, or copied by the
+        # transport): fresh memory would pay its page faults on every read, and the read is the sender's main cost
+        buffer = _read_buffers.take(len(read) * layout.block_bytes)
+        blocks = read_blocks(kv_cache, read, buffer.numpy())
+        weakref.finalize(blocks, _read_buffers.give, buffer).atexit = False
         view = memoryview(blocks)
         for start in range(0, len(blocks), max_chunk_bytes):
             checksum = chunk_checksum(blocks[start:start + max_chunk_bytes])
@@ -228,10 +268,11 @@ def _frames(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, bl
     yield KvEnd(request_id, index, crc)
 
 
-class _StagingPool:
-    """Host buffers that staged finished transfers, kept for the next ones: the first write to fresh memory pays
-    its page faults, which made staging several times slower than the copy itself, and a decode engine stages
-    every request's KV. The smallest kept buffer that fits is taken; past `max_bytes` kept, the smallest go."""
+class _BufferPool:
+    """Host buffers kept for the next transfers once done with: the first write to fresh memory pays its page
+    faults, which made staging (and a sender's block reads) several times slower than the copy itself, and every
+    request's KV goes through them. The smallest kept buffer that fits is taken; past `max_bytes` kept, the
+    smallest go."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
@@ -254,7 +295,8 @@ class _StagingPool:
                 self._free.pop()
 
 
-_staging = _StagingPool(_STAGING_KEPT_BYTES)
+_staging = _BufferPool(_STAGING_KEPT_BYTES)
+_read_buffers = _BufferPool(_READS_KEPT_BYTES)
 
 
 class KvReceiver:

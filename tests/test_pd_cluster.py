@@ -17,7 +17,7 @@ from cluster.service import RouterService
 from cluster.worker import Worker
 from engine import LLM, EngineConfig, SamplingParams
 from engine.engine import Engine
-from engine.kv_transfer import KvChunk, decode_frame, encode_frame
+from engine.kv_transfer import KvChunk, KvEnd, decode_frame, encode_frame
 from engine.llm import build_engine
 from scheduler.roofline import emulated_latency_model
 
@@ -160,21 +160,28 @@ def test_a_decode_worker_lost_mid_transfer_costs_only_delay(llama_tiny):
 
 
 class CorruptingWriter:
-    """A stream writer that flips one byte of the first KV chunk after chunk 0, its checksum left as it was."""
+    """A stream writer that flips one byte of the first KV chunk after chunk 0, its checksum left as it was. It
+    passes on whole frames, however they were written (a KvData frame's head and data in turn)."""
 
     def __init__(self, writer):
-        self.writer, self.corrupted = writer, False
+        self.writer, self.corrupted, self.pending = writer, False, b""
 
-    def write(self, data: bytes) -> None:
-        msg = p.decode_payload(data[p.HEADER.size:])
-        if not self.corrupted and isinstance(msg, p.KvData):
-            frame = decode_frame(msg.frame)
-            if isinstance(frame, KvChunk) and frame.index == 1:
-                flipped = bytearray(frame.data)
-                flipped[3] ^= 0x10
-                data = p.encode_frame(p.KvData(encode_frame(msgspec.structs.replace(frame, data=bytes(flipped)))))
-                self.corrupted = True
-        self.writer.write(data)
+    def write(self, data: bytes | memoryview) -> None:
+        self.pending += bytes(data)
+        while len(self.pending) >= p.HEADER.size:
+            end = p.HEADER.size + p.HEADER.unpack_from(self.pending)[0]
+            if len(self.pending) < end:
+                return
+            data, self.pending = self.pending[:end], self.pending[end:]
+            msg = p.decode_payload(data[p.HEADER.size:])
+            if not self.corrupted and isinstance(msg, p.KvData):
+                frame = decode_frame(msg.frame)
+                if isinstance(frame, KvChunk) and frame.index == 1:
+                    flipped = bytearray(frame.data)
+                    flipped[3] ^= 0x10
+                    data = p.encode_frame(p.KvData(encode_frame(msgspec.structs.replace(frame, data=bytes(flipped)))))
+                    self.corrupted = True
+            self.writer.write(data)
 
     async def drain(self) -> None:
         await self.writer.drain()
@@ -267,6 +274,18 @@ def test_the_hand_off_frames_round_trip():
     for frame in frames:
         data = p.encode_frame(frame)
         assert p.decode_payload(data[p.HEADER.size:]) == frame
+
+
+def test_a_kv_data_frame_written_in_two_parts_is_the_one_frame():
+    """`encode_kv_data`'s head and data, joined, are the KvData frame of the encoded hand-off frame, which decodes
+    back to it; over the frame bound it is refused."""
+    data = bytes(range(256)) * 300
+    for frame in (KvChunk("r", 1, 5, memoryview(data)), KvEnd("r", 2, 9)):
+        head, body = p.encode_kv_data(frame)
+        assert head + bytes(body) == p.encode_frame(p.KvData(encode_frame(frame)))
+        assert decode_frame(p.decode_payload((head + bytes(body))[p.HEADER.size:]).frame) == frame
+    with pytest.raises(ValueError, match="exceeds the bound"):
+        p.encode_kv_data(KvChunk("r", 1, 5, memoryview(data)), max_bytes=len(data))
 
 
 @pytest.mark.parametrize("policy", ["polyserve", "least-loaded"])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.kv_transfer import KvChunk, KvEnd, KvImportRefused, KvTransferError, chunk_checksum, decode_frame, \
-    encode_frame, stream_blocks
+from engine.kv_transfer import KvChunk, KvEnd, KvImportRefused, KvLayout, KvTransferError, chunk_checksum, \
+    decode_frame, encode_frame, encode_frame_parts, read_blocks, stream_blocks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # a small step budget: a 45-token prompt takes seven steps
@@ -164,6 +164,32 @@ def test_the_chunk_checksum_sees_every_flipped_byte_and_a_changed_length():
     assert chunk_checksum(data[:-1]) != honest and chunk_checksum(np.append(data, 0)) != honest
     zeros = np.zeros(2 * 4096, dtype=np.uint8)
     assert chunk_checksum(zeros) != chunk_checksum(zeros[:4096])  # the length counts, even where the sums agree
+
+
+def test_a_chunk_is_encoded_without_its_data_copied_into_the_same_bytes():
+    """The head and the data of `encode_frame_parts`, joined, are `encode_frame`'s bytes at every width of msgpack's
+    bin header; the data part is the chunk's own memory; the other frames are whole in the head."""
+    data = np.random.default_rng(1).integers(0, 256, 70_000, dtype=np.uint8)
+    for size in (0, 1, 255, 256, 65_535, 65_536, 70_000):
+        chunk = KvChunk("r", 3, chunk_checksum(data[:size]), memoryview(data[:size]))
+        head, body = encode_frame_parts(chunk)
+        assert head + bytes(body) == encode_frame(chunk), size
+        assert size == 0 or np.shares_memory(np.frombuffer(body, dtype=np.uint8), data)
+        assert bytes(decode_frame(head + bytes(body)).data) == data[:size].tobytes()
+    end = KvEnd("r", 2, 7)
+    assert encode_frame_parts(end) == (encode_frame(end), b"")
+
+
+def test_a_held_chunk_keeps_the_bytes_read_for_it_while_later_reads_reuse_buffers():
+    """A sender reads blocks into kept buffers and its chunks are views of them: a buffer is taken again only once
+    no chunk of it is held, so held chunks keep their bytes through any number of later reads."""
+    cache = torch.randn(2, 2, 12, 4, 2, 8).to(torch.bfloat16)  # 512-byte blocks
+    layout, blocks = KvLayout.of_cache(cache, 4), [5, 0, 9, 3, 11, 7]
+    held = list(stream_blocks("held", cache, layout, blocks, 0, max_chunk_bytes=1024))  # three reads of two blocks
+    for other in range(4):  # whose chunks go at once, and their buffers back to be read into again
+        for _ in stream_blocks(f"other-{other}", cache, layout, blocks[::-1], 1, max_chunk_bytes=1024):
+            pass
+    assert b"".join(bytes(f.data) for f in held if isinstance(f, KvChunk)) == read_blocks(cache, blocks).tobytes()
 
 
 @pytest.mark.parametrize("damage, message", [
