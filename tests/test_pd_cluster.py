@@ -236,6 +236,38 @@ def test_the_prefill_side_gone_means_prefilled_again(llama_tiny):
     assert fleet.service.counts["migrated"] == 1 and fleet.service.counts["handed_off"] == 2
 
 
+def test_a_prefill_worker_lost_after_the_first_token_means_prefilled_again_elsewhere(llama_tiny):
+    """The prefill worker dies as its KV is pulled, its first token already streamed: the stream goes on from a
+    prefill of its prompt and first token on the other prefill worker, handed off again; the client sees the
+    co-located text, once, and no error."""
+    want = LLM(llama_tiny[0], **TINY).generate([PROMPT], GREEDY)[0].token_ids
+
+    async def scenario():
+        async with PdFleet(llama_tiny[0], ["prefill", "prefill", "decode"], kv_chunk_bytes=1024, **TINY) as fleet:
+            lost, stopping = [], []
+
+            def die_when_pulled(instance_id):
+                async def before_send(writer, pull, n):
+                    if not lost:
+                        lost.append(instance_id)
+                        stopping.append(asyncio.create_task(fleet.workers[instance_id].stop()))
+                        await asyncio.sleep(WAIT_S)  # ended with its worker
+                return before_send
+
+            for instance_id in ("prefill-0", "prefill-1"):
+                interpose(fleet.workers[instance_id], die_when_pulled(instance_id))
+            outs = await fleet.generate("r", PROMPT, GREEDY)
+            await asyncio.gather(*stopping)
+            survivor = ({"prefill-0", "prefill-1"} - set(lost)).pop()
+            await fleet.settled(survivor, "decode-0")
+            return outs, fleet, lost
+
+    outs, fleet, lost = run(scenario())
+    assert outs[-1].finish_reason == "length" and joined(outs)[0] == want
+    assert lost and lost[0] not in fleet.service.links
+    assert fleet.service.counts["migrated"] == 1 and fleet.service.counts["handed_off"] == 2
+
+
 def test_a_full_decode_worker_refuses_and_the_request_waits(llama_tiny):
     """The decode engine's blocks are taken by a reservation the router does not know of: it refuses the Import
     before any transfer, the router places it again each tick, and once the blocks are free it goes through."""
