@@ -12,9 +12,11 @@ Every worker of a fleet holds the fleet's shared secret (`token`: given, else ra
 proves on connecting (cluster/protocol.py).
 
 Prefill/decode disaggregation (`prefill_instances` > 0): a worker starts with role prefill while fewer than that many
-prefill workers are held, else with role decode, so the prefill count stays fixed and the autoscaler's starts and
-stops resize the decode pool. Spares are decode workers: a missing prefill worker is filled by a cold start, as
-`take_spare` gives no spare while one is missing."""
+prefill workers are held, else with role decode. `prefill_instances` is the prefill count wanted: the service sets it
+from the autoscaler's plan before the starts it asks for (its prefill starts first), so that the prefill pool follows
+its token rate; left alone, the count stays fixed and a dead prefill worker's replacement is a prefill worker. Spares
+are decode workers: a missing prefill worker is filled by a cold start, as `take_spare` gives no spare while one is
+missing."""
 from __future__ import annotations
 
 import asyncio
@@ -134,9 +136,13 @@ class Launcher(ABC):
                 return instance_id, address
         return None
 
+    def num_prefill_held(self) -> int:
+        """Prefill workers starting, running, or ended and not yet stopped here."""
+        return sum(1 for role in self.roles.values() if role == "prefill")
+
     def num_prefill_short(self) -> int:
         """Prefill workers missing from the `prefill_instances` asked for (those starting count as there)."""
-        return max(0, self.prefill_instances - sum(1 for role in self.roles.values() if role == "prefill"))
+        return max(0, self.prefill_instances - self.num_prefill_held())
 
     def _claim_role(self, instance_id: str, config: EngineConfig) -> EngineConfig:
         """`config` with the role of the worker about to start (recorded before any await, so that workers started

@@ -5,6 +5,8 @@
     python -m cluster.serve --host 0.0.0.0 --api-key secret --executor emulated  # clients: Bearer secret
     python -m cluster.serve --launcher ray --ray-address auto --device cuda --max-instances 64  # on a Ray cluster
     python -m cluster.serve --executor emulated --prefill-instances 1 --min-instances 2 --max-instances 4  # PD
+    python -m cluster.serve --executor emulated --prefill-instances 1 --max-prefill-instances 3 --min-instances 2 \
+        --max-instances 6  # PD, the prefill pool sized from its token rate
 
 Engines are `python -m cluster.worker` processes started by the launcher, each built from the same engine flags
 (`EngineConfig`, forwarded whole). The local launcher starts them on this machine: one per GPU with --gpus, else
@@ -19,9 +21,12 @@ cluster protocol, which the API key does not cover and which is not encrypted: b
 trusted network.
 
 Prefill/decode disaggregation: with --prefill-instances N, both launchers start N engines with role prefill and the
-rest with role decode (the engines' --role is theirs to set, so it is not a flag here). The prefill count stays at
-N: --min-instances and --max-instances count all engines, and the autoscaler's starts and stops resize the decode
-pool (it never stops a prefill engine; a dead one is replaced by a prefill engine). Warm spares are decode engines.
+rest with role decode (the engines' --role is theirs to set, so it is not a flag here). --min-instances and
+--max-instances count all engines. The prefill pool holds N engines at least and --max-prefill-instances at most
+(default N: a fixed pool): the autoscaler sizes it from the prompt tokens placed on it, ceil(rate x a prompt token's
+predicted time / --prefill-utilisation), and stops a surplus prefill engine once it has been idle for
+--stop-after-idle-s; the decode pool is sized as a co-located fleet, its minimum being what --min-instances leaves
+beside N. A dead prefill engine is replaced by a prefill engine. Warm spares are decode engines.
 """
 from __future__ import annotations
 
@@ -57,7 +62,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-instances", type=int, default=0,
                     help="prefill/decode disaggregation: this many engines run prompts only and hand each request "
                          "off at its first token to the others, decode engines (default 0: every engine does "
-                         "both); a fixed count, counted in --min-instances, which must leave a decode engine")
+                         "both); the prefill pool's minimum and starting size, counted in --min-instances, which "
+                         "must leave a decode engine")
+    ap.add_argument("--max-prefill-instances", type=int, default=None,
+                    help="with --prefill-instances: the most prefill engines the autoscaler sizes the pool to from "
+                         "its prompt token rate, below --max-instances (default: --prefill-instances, a fixed pool)")
+    ap.add_argument("--prefill-utilisation", type=float, default=0.7,
+                    help="with --prefill-instances: the share of its time a prefill engine is planned busy when the "
+                         "pool is sized from its token rate")
+    ap.add_argument("--prefill-rate-window-s", type=float, default=10.0,
+                    help="with --prefill-instances: the prefill token rate is that of the prompts placed on the "
+                         "prefill engines over this many seconds")
     ap.add_argument("--kv-link", choices=LINKS, default="net-400g",
                     help="with --prefill-instances: the link a hand-off's KV crosses, whose nominal rate the router "
                          "counts in a prompt's first-token deadline (scheduler/transfer.py)")
@@ -110,7 +125,10 @@ def build_backend(args: argparse.Namespace) -> RouterBackend:
         min_instances=args.min_instances,
         max_instances=args.min_instances if baseline else args.max_instances,  # baselines: a fixed fleet
         idle_pool=0 if baseline else args.idle_pool, min_per_tier=0 if baseline else args.min_per_tier,
-        max_per_tier=None if baseline else args.max_per_tier, stop_after_idle_s=args.stop_after_idle_s)
+        max_per_tier=None if baseline else args.max_per_tier, stop_after_idle_s=args.stop_after_idle_s,
+        min_prefill_instances=args.prefill_instances,
+        max_prefill_instances=args.prefill_instances if baseline else args.max_prefill_instances,
+        prefill_utilisation=args.prefill_utilisation, prefill_rate_window_s=args.prefill_rate_window_s)
     model = config.model or default_model_path()
     model_config = ModelConfig.from_folder(model)
     # the KV crosses in the serving dtype: a GPU's bf16 unless given (a CPU engine's float32 moves on loopback)
@@ -158,6 +176,10 @@ def check_prefill_instances(args: argparse.Namespace, config: EngineConfig) -> N
     if n < 0 or (n and n >= args.min_instances):
         raise ValueError(f"--prefill-instances {n} must be non-negative and, when set, below --min-instances "
                          f"{args.min_instances}, which counts the prefill engines and at least one decode engine")
+    most = args.max_prefill_instances
+    if most is not None and (not n or not n <= most < args.max_instances):
+        raise ValueError(f"--max-prefill-instances {most} needs --prefill-instances, at most it, and must be below "
+                         f"--max-instances {args.max_instances}, which counts at least one decode engine")
 
 
 def warm_spares(asked: int | None, max_instances: int, num_gpus: int) -> int:
@@ -176,10 +198,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     backend = build_backend(args)
     app = build_http_app(backend, args)
-    logging.getLogger(__name__).info("router policy %s, tiers %s, instances %d..%d (%d prefill), idle pool %d, "
+    limits = backend.service.router.autoscaler.limits
+    logging.getLogger(__name__).info("router policy %s, tiers %s, instances %d..%d (%d..%d prefill), idle pool %d, "
                                      "warm spares %d, executor %s, %s launcher", args.router_policy, args.tiers,
-                                     args.min_instances, args.max_instances, args.prefill_instances, args.idle_pool,
-                                     backend.service.launcher.warm_spares, args.executor, args.launcher)
+                                     limits.min_instances, limits.max_instances, limits.min_prefill_instances,
+                                     limits.prefill_cap, args.idle_pool, backend.service.launcher.warm_spares,
+                                     args.executor, args.launcher)
     asyncio.run(serve_forever(app, args.host, args.port))
 
 

@@ -28,7 +28,9 @@ around the pure `Router` and `Autoscaler` (DESIGN.md §5). This file owns every 
   it is placed again a tick later. A pull that fails is placed again, the prefill side still holding the KV, up to
   `max_transfer_attempts`; then, or when the prefill side holds it no more, or when the decode instance is lost
   after it streamed, the stream migrates (prefilled again, as any stream whose instance failed). A client that
-  leaves mid-way has the prefill side's hold aborted too.
+  leaves mid-way has the prefill side's hold aborted too. Every prompt sent to a prefill instance feeds the
+  autoscaler's prefill token rate; the plan's prefill starts raise the launcher's prefill target, and its stops
+  drain idle prefill instances as decode ones, never one still holding a hand-off's KV.
 """
 from __future__ import annotations
 
@@ -337,6 +339,10 @@ class RouterService:
         h = stream.handoff
         if h is None:
             link.send(submit)
+            autoscaler = self.router.autoscaler
+            if autoscaler is not None and self.router.roles.get(instance_id) == "prefill":
+                r = stream.routed  # its prompt work there: a companion's shares the first sample's cached blocks
+                autoscaler.prefill_tokens.add(self.clock(), r.num_prompt_tokens - r.num_computed_tokens)
         else:  # decode clock = router clock - its offset = prefill clock + the prefill's offset - its offset
             link.send(p.Import(submit.request_id, h.handoff, h.kv_host, h.kv_port,
                                h.clock_offset - link.clock_offset))
@@ -621,20 +627,14 @@ class RouterService:
         autoscaler = self.router.autoscaler
         if autoscaler is None or self._stopping:
             return
-        prefill = [instance_id for instance_id, role in self.router.roles.items() if role == "prefill"]
-        plan = autoscaler.plan(self.router.fleet, self.router.waiting_tiers(), now, keep=prefill)
-        launcher = self.launcher
-        if plan.num_to_start and launcher is not None:
-            for _ in range(plan.num_to_start):
-                spare = launcher.take_spare()
-                if spare is not None:
-                    instance_id, address = spare
-                elif now >= self._launch_blocked_until:
-                    instance_id, address = self._new_instance_id(), None
-                else:
-                    break
-                self.router.add_instance(instance_id, now)
-                self._spawn(self._launch(instance_id, now, address))
+        router, launcher = self.router, self.launcher
+        chunk = router.max_prefill_chunk
+        holding = {s.handoff.prefill_instance for s in self.streams.values() if s.handoff is not None}
+        roles = router.roles if launcher is None else {**launcher.roles, **router.roles}
+        plan = autoscaler.plan(router.fleet, router.waiting_tiers(), now, keep=holding, roles=roles,
+                               prefill_seconds_per_token=router.checker.prefill_seconds(chunk) / chunk)
+        if launcher is not None and (plan.num_to_start or plan.num_prefill_to_start):
+            self._start_instances(launcher, plan.num_prefill_to_start, plan.num_to_start, now)
         for instance_id in plan.to_stop:
             self._stop_instance(instance_id, now)
         if launcher is not None and now >= self._launch_blocked_until:
@@ -643,6 +643,24 @@ class RouterService:
                 task = self._spawn(self._spare_started(instance_id, launcher.start_spare(instance_id)))
                 self._spare_tasks.add(task)
                 task.add_done_callback(self._spare_tasks.discard)
+
+    def _start_instances(self, launcher: Launcher, num_prefill: int, num_others: int, now: float) -> None:
+        """Decode (or co-located) workers from the warm spares first, then cold starts: the prefill workers first,
+        as the launcher gives a starting worker role prefill while it holds fewer than its prefill target."""
+        sizes_prefill = self.router.autoscaler.limits.min_prefill_instances > 0
+        if sizes_prefill:
+            launcher.prefill_instances = launcher.num_prefill_held()  # no prefill worker missing: spares may go
+        started: list[tuple[str, tuple[str, int] | None]] = []
+        while len(started) < num_others and (spare := launcher.take_spare()) is not None:
+            started.append(spare)
+        if now >= self._launch_blocked_until:
+            cold = num_prefill + num_others - len(started)
+            if sizes_prefill:
+                launcher.prefill_instances += num_prefill
+            started += [(self._new_instance_id(), None) for _ in range(cold)]
+        for instance_id, address in started:
+            self.router.add_instance(instance_id, now)
+            self._spawn(self._launch(instance_id, now, address))
 
     def _new_instance_id(self) -> str:
         self._next_instance += 1

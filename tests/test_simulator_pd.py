@@ -68,10 +68,15 @@ def test_pd_config_rejects_bad_input(kw, match):
         SimConfig(**kw)
 
 
-def test_pd_config_needs_a_fixed_fleet():
+@pytest.mark.parametrize("prefill_instances, limits", [
+    (1, dict(min_instances=2)),  # an autoscaled PD fleet needs the autoscaler's prefill limits
+    (0, dict(min_instances=2, min_prefill_instances=1)),  # and those need a starting prefill pool
+    (3, dict(min_instances=2, max_instances=4, min_prefill_instances=1, max_prefill_instances=2)),  # beyond them
+])
+def test_autoscaled_pd_config_needs_matching_prefill_limits(prefill_instances, limits):
     from cluster.autoscaler import ScalingLimits
-    with pytest.raises(ValueError, match="fixed fleet"):
-        SimConfig(num_instances=3, prefill_instances=1, autoscale=ScalingLimits())
+    with pytest.raises(ValueError, match="prefill limits"):
+        SimConfig(num_instances=4, prefill_instances=prefill_instances, autoscale=ScalingLimits(**limits))
 
 
 # ---- PD mode -----------------------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ It is what cluster/service.py does with messages, done with method calls:
   does on Prefilled; placed on a decode instance, that one takes the blocks of the prompt's KV at once or refuses
   (then the hand-off is tried again at the next tick, as the service does), the KV arrives after the link's transfer
   time (scheduler/transfer.py) and the request joins that instance's queue with its prompt computed; the prefill
-  instance frees its blocks as the transfer ends; queued, the hand-off waits in the router's queue;
+  instance frees its blocks as the transfer ends; queued, the hand-off waits in the router's queue; with
+  `autoscale`, every prompt placed on a prefill instance feeds the autoscaler's prefill token rate, and its plan
+  starts prefill instances and stops idle ones as it does decode instances (one holding a hand-off's KV is kept);
 - a finish is `router.on_finished`, then `retry_queued`; a periodic tick (the service's 50 ms) retries the queues
   and asks the autoscaler for a plan: instances it starts are ready after `cold_start_s`, the ones it stops drain
   first and are removed once empty.
@@ -81,7 +83,8 @@ class SimConfig:
     expected_output_tokens: float | None = None  # the router's prior; None: the workload's mean output
     seed: int = 0  # the router's own randomness (the random baseline) and, with the instance's index, its step times
     # prefill/decode disaggregation: the first `prefill_instances` instances run prompts and hand requests off at
-    # their first token, the rest decode them; 0: every instance does both
+    # their first token, the rest decode them; 0: every instance does both. With `autoscale`, the starting prefill
+    # pool, within its prefill limits, which the autoscaler sizes from the prompt token rate
     prefill_instances: int = 0
     transfer: str = "nvlink"  # the link a hand-off's KV crosses: a preset of scheduler.transfer.LINKS
 
@@ -103,10 +106,12 @@ class SimConfig:
             raise ValueError(f"transfer must be one of {', '.join(LINKS)}, got {self.transfer!r}")
         if self.prefill_instances < 0:
             raise ValueError(f"prefill_instances must be non-negative, got {self.prefill_instances}")
+        if self.autoscale is not None and (self.prefill_instances or self.autoscale.min_prefill_instances):
+            low, high = self.autoscale.min_prefill_instances, self.autoscale.prefill_cap
+            if not low or not low <= self.prefill_instances <= high:
+                raise ValueError(f"prefill_instances {self.prefill_instances} (the starting prefill pool) and the "
+                                 f"autoscaler's prefill limits {low}..{high} must both be set, the count within them")
         if self.prefill_instances:
-            if self.autoscale is not None:
-                raise ValueError("prefill_instances needs a fixed fleet: the simulator's autoscaler does not size "
-                                 "prefill and decode pools")
             if self.prefill_instances >= self.num_instances:
                 raise ValueError(f"prefill_instances {self.prefill_instances} leaves no decode instance among "
                                  f"{self.num_instances}")
@@ -139,7 +144,8 @@ class SimResult:
     tier_names: tuple[str, ...]
     end_time: float
     instance_seconds: float  # live instances (starting, serving, draining) integrated over the run
-    samples: list[tuple[float, tuple[int, ...], int, int]]  # (time, instances per tier, idle, live) every sample_s
+    # (time, instances per tier, idle, live, live prefill instances) every sample_s; live counts draining ones
+    samples: list[tuple[float, tuple[int, ...], int, int, int]]
     counts: dict[str, int]
     num_steps: int
     num_policy_calls: int
@@ -382,8 +388,10 @@ class Simulator:
         sreq.host_tier = self.tiers[view.tier].name if view.tier is not None else ""
         if sreq.request_id in self._prefilled:
             self._start_transfer(sreq, instance_id, now)
-        else:
-            self.instances[instance_id].enqueue(sreq, now)
+            return
+        if self.config.autoscale is not None and self.router.roles.get(instance_id) == "prefill":
+            self.router.autoscaler.prefill_tokens.add(now, sreq.num_prompt_tokens)
+        self.instances[instance_id].enqueue(sreq, now)
 
     # ---- prefill/decode hand-offs ------------------------------------------------------------------------------
     def _on_prefilled(self, inst: SimInstance, prefilled: list[SimRequest], now: float) -> None:
@@ -498,9 +506,12 @@ class Simulator:
 
     def _autoscale(self, now: float) -> None:
         router = self.router
-        plan = router.autoscaler.plan(router.fleet, router.waiting_tiers(), now)
-        for _ in range(plan.num_to_start):
-            instance_id = self._new_instance(now)
+        chunk = router.max_prefill_chunk
+        holding = {inst.instance_id for inst, _ in self._prefilled.values()}  # a hand-off's KV, not yet pulled
+        plan = router.autoscaler.plan(router.fleet, router.waiting_tiers(), now, keep=holding, roles=router.roles,
+                                      prefill_seconds_per_token=router.checker.prefill_seconds(chunk) / chunk)
+        for k in range(plan.num_prefill_to_start + plan.num_to_start):
+            instance_id = self._new_instance(now, prefill=k < plan.num_prefill_to_start)
             self._pending_ready += 1
             self._push(now + self.config.cold_start_s, READY_EVENT, instance_id)
         for instance_id in plan.to_stop:
@@ -519,9 +530,10 @@ class Simulator:
         del self._live_since[instance_id]
         del self.instances[instance_id]
 
-    def _sample(self, t: float) -> tuple[float, tuple[int, ...], int, int]:
-        fleet = self.router.fleet
-        return (t, tuple(len(m) for m in fleet.members), len(fleet.idle), len(self._live_since))
+    def _sample(self, t: float) -> tuple[float, tuple[int, ...], int, int, int]:
+        fleet, roles = self.router.fleet, self.router.roles
+        return (t, tuple(len(m) for m in fleet.members), len(fleet.idle), len(self._live_since),
+                sum(1 for instance_id in self._live_since if roles.get(instance_id) == "prefill"))
 
     # ---- results ---------------------------------------------------------------------------------------------
     def _result(self, workload: Workload, requests: list[SimRequest | None], samples, wall_s: float,
