@@ -21,10 +21,11 @@ reads an instance through the resident summary the router keeps current (Instanc
 O(log n) per instance of n residents; a step report pays the pass over them.
 
 Prefill/decode disaggregation (`set_role`): prefill instances form a pool of their own, outside the tiers. PolyServe
-places a new request on the busiest prefill instance whose queue runs its prompt and the transfer of its KV by its
-first-token deadline (`AttainabilityChecker.fits_prefill`), so the pool has a load gradient as the tiers do; the
-hand-off (`hand_off`) is placed on decode instances by the tier rules, tested from the moment its KV arrives with its
-next token due one TPOT after its first-token deadline.
+places a new request on the prefill instance with the least queued prompt work of those whose queue runs its prompt
+and the transfer of its KV by its first-token deadline (`AttainabilityChecker.fits_prefill`); when none does, on a
+decode instance by the tier rules, as a whole request that instance prefills itself ("convertible": a burst does not
+wait for the prefill pool to grow). The hand-off (`hand_off`) is placed on decode instances by the tier rules, tested
+from the moment its KV arrives with its next token due one TPOT after its first-token deadline.
 """
 from __future__ import annotations
 
@@ -398,7 +399,11 @@ class Router:
             view = self._least_loaded_attaining(req, snap, early, now)
             return None if view is None else (view, How.BASELINE)
         if self.fleet.prefill and req.request_id not in self.handoffs:
-            return self._least_queued_prefill(req, snap, early, now)
+            # none attaining in the prefill pool (a burst, or a pool still growing): a decode instance whose tier
+            # test passes with the prompt's chunks among its decodes runs the request whole
+            placed = self._least_queued_prefill(req, snap, early, now)
+            if placed is not None:
+                return placed
         if req.resumed_tokens:
             return self._soonest_next_token(req, snap, early, now)
         before_scale_up, after_scale_up = self._tier_orders[req.tier_index]
@@ -553,8 +558,12 @@ class Router:
         return min(serving, key=_load)
 
     def _serves(self, view: InstanceView, req: RoutedRequest) -> bool:
+        """A hand-off goes to decode instances only; a new request to prefill or whole-request instances, and under
+        PolyServe to a decode instance too, which then prefills it itself (tried after the prefill pool)."""
         role = self.roles.get(view.instance_id, "both")
-        return role == "decode" if req.request_id in self.handoffs else role != "decode"
+        if req.request_id in self.handoffs:
+            return role == "decode"
+        return role != "decode" or self.policy == "polyserve"
 
     def _on_time_possible(self, req: RoutedRequest, now: float) -> bool:
         """Could its first token (a hand-off's next) still be on time on an idle instance starting now (a

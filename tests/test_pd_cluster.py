@@ -349,12 +349,15 @@ def test_the_router_places_prompts_on_prefill_and_hand_offs_on_decode_instances(
     router.on_finished("r2", 1, 0.04, completed=False)
     assert router.hand_off(reqs[2], 0.04).instance_id == "d"
     late = RoutedRequest("r3", reqs[0].tier_index, reqs[0].tier, slo, 0.05, 100, 20)
-    assert router.submit(late, 0.05).instance_id == "p"
+    # PolyServe's tier rules take the busiest attaining, the decode instance, which runs it whole; a baseline never
+    # gives a decode instance a new request
+    assert router.submit(late, 0.05).instance_id == ("d" if policy == "polyserve" else "p")
 
 
 def test_the_router_fills_the_least_queued_prefill_instance_and_waits_for_the_transfer():
     """PolyServe's PD placement: a new prompt goes to the prefill instance with the least queued work of those that
-    run it and its transfer by its first-token deadline; a hand-off is tested from when its KV arrives."""
+    run it and its transfer by its first-token deadline, else whole to a decode instance; a hand-off is tested from
+    when its KV arrives."""
     from cluster.fleet import RoutedRequest
     from cluster.router import How, Outcome
     from scheduler.transfer import TransferLink, TransferModel
@@ -376,8 +379,10 @@ def test_the_router_fills_the_least_queued_prefill_instance_and_waits_for_the_tr
     # each prompt goes where the least work waits: "b" beside "a"'s 300 tokens, "c" behind "b"'s 100
     assert [placed[rid].instance_id for rid in "abc"] == ["p0", "p1", "p1"]
     assert router.fleet["p0"].load > router.fleet["p1"].load > 0
-    # "x"'s KV takes 600 ms to move, past its whole TTFT: no prefill instance attains it
-    assert router.submit(reqs["x"], 0.0).outcome is Outcome.QUEUED
+    # "x"'s KV takes 600 ms to move, past its whole TTFT: no prefill instance attains it, so the idle decode
+    # instance joins its tier and runs it whole, prefill and all
+    x = router.submit(reqs["x"], 0.0)
+    assert x.instance_id == "d" and x.how is How.SCALED_UP and "x" not in router.handoffs
     # "b"'s KV arrives at 0.11 s, its next token due at 0.55 s: on time
     router.on_finished("b", 1, 0.01, completed=False)
     assert router.hand_off(reqs["b"], 0.01).instance_id == "d" and not reqs["b"].late

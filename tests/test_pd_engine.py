@@ -320,3 +320,13 @@ def test_role_is_a_checked_engine_flag():
         EngineConfig(role="router")
     with pytest.raises(SystemExit):  # one engine behind HTTP serves whole requests
         main(["--executor", "emulated", "--role", "prefill"])
+
+
+def test_a_decode_engine_runs_a_whole_request_as_a_colocated_one(llama_tiny):
+    """The router's convertible decode instances: given a new request (no hand-off), a decode engine prefills it
+    itself and gives the co-located text."""
+    prompts = random_prompts(llama_tiny[1].config.vocab_size, [30, 12], seed=9)
+    decode = LLM(llama_tiny[0], role="decode", **ENGINE)
+    got = decode.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in colocated(llama_tiny[0], prompts, GREEDY, **ENGINE)]
+    assert any(s.num_prefill_tokens for s in decode.engine.step_stats)
