@@ -21,7 +21,8 @@ mean TPOT, max inter-token gap). Beside it, the error sweep: PolyServe's and the
 Written to <out>/goodput.json (a run without the matrix: goodput_<experiments>.json), plots (PNG) to <out>:
 goodput_ratio_heatmap.png (PolyServe's headline goodput over the best baseline's, workload x fleet size),
 tier_attainment_at_goodput.png (conv-4tier at the largest fleet every policy ran), attainment_vs_rate_by_error.png
-(the error sweep); the other experiments draw phase_change.png, calibration.png, goodput_vs_fleet_size.png.
+(the error sweep); the other experiments draw phase_change.png, calibration.png, goodput_vs_fleet_size.png,
+pd_goodput_by_split.png.
 
 Cost on this machine (2 cores): --quick (fleets 8 and 16, a 6 s window after 8 s, seeds 1 and 2, searched to 10 %)
 took 19 min (1,155 s) on 2 processes. The full matrix (fleets 8, 16 and 64, and 256 for the leaders; a 12 s window
@@ -1147,6 +1148,8 @@ def write_plots(report: dict, out_dir: Path) -> None:
         plot_phase_change(report["autoscaled"], [t["name"] for t in report["tiers"]], out_dir / "phase_change.png")
     if "calibration" in report:
         plot_calibration(report["calibration"], out_dir / "calibration.png")
+    if "pd" in report:
+        plot_pd(report["pd"], out_dir / "pd_goodput_by_split.png")
 
 
 def _plt():
@@ -1262,6 +1265,29 @@ def plot_scan(scan: dict, path: Path) -> None:
     ax.set_ylabel("goodput per instance (req/s)")
     ax.set_ylim(bottom=0)
     ax.legend()
+    _save(fig, path)
+
+
+def plot_pd(pd: dict, path: Path) -> None:
+    """Headline goodput of each router in PD mode against its prefill instances, a panel per fleet size, the
+    co-located runs as horizontal lines."""
+    plt = _plt()
+    fleets = sorted({s["num_instances"] for s in pd["searches"]})
+    fig, axes = plt.subplots(1, len(fleets), figsize=(6 * len(fleets), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], fleets):
+        cell = [s for s in pd["searches"] if s["num_instances"] == n]
+        for policy in dict.fromkeys(s["policy"] for s in cell):
+            runs = sorted((s["prefill_instances"], s["goodput"]) for s in cell
+                          if s["policy"] == policy and s["prefill_instances"])
+            line = ax.plot([r[0] for r in runs], [r[1] for r in runs], marker="o", label=f"{policy} (PD)")[0]
+            for s in cell:
+                if s["policy"] == policy and not s["prefill_instances"]:
+                    ax.axhline(s["goodput"], color=line.get_color(), ls="--", lw=1, label=f"{policy} (co-located)")
+        ax.set_title(f"{pd['workload']}, {n} instances, KV over {pd['link']}", fontsize=10)
+        ax.set_xlabel("prefill instances")
+        ax.set_ylabel("headline goodput (req/s)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
     _save(fig, path)
 
 
