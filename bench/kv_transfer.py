@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import multiprocessing
 import statistics
-import struct
 import time
 from dataclasses import dataclass
 
@@ -44,7 +43,7 @@ from engine.model_config import DTYPES
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
-HEADER = struct.Struct("!I")
+HEADER = p.HEADER  # the cluster protocol's frame header: the frames parsed here are its KvData frames
 BLOCK_SIZE = 16
 SPARE_BLOCKS = 8  # the cache holds more blocks than the request's, so that its block table is a real scatter
 # (layers, kv heads, head dim) of the models' caches

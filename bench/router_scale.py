@@ -247,8 +247,8 @@ async def _live(num_instances: int, steps_per_s: float, requests_per_s: float, s
     }
 
 
-class _FakeLink:
-    """What the service reads of a link while it handles a frame."""
+class SameClockLink:
+    """What the service reads of a link while it handles a frame, for a worker whose clock is the router's."""
 
     def __init__(self, instance_id: str):
         self.instance_id, self.clock_offset = instance_id, 0.0
@@ -281,7 +281,7 @@ def in_process_cost(num_instances: int = 256, residents: int = 4, reports: int =
         steps = [p.StepTiming(now + 0.02 * k, 0.02, 0, len(rs), 0, 8, len(rs), 0, len(rs))
                  for k in range(steps_per_report)]
         frames[view.instance_id] = p.encode_frame(p.StepReport(steps, NUM_KV_BLOCKS, rs))[p.HEADER.size:]
-    links = {iid: _FakeLink(iid) for iid in frames}
+    links = {iid: SameClockLink(iid) for iid in frames}
     order = list(frames)
     t = time.perf_counter()
     for k in range(reports):

@@ -194,8 +194,7 @@ class Autoscaler:
         surplus = num_prefill - wants[0][1]  # the largest count wanted of late: kept
         if start or surplus <= 0:
             return start, ()
-        serving = [v for v in fleet.prefill if v.status is InstanceStatus.READY]
-        stale = self._stale(serving, now, keep, busy_at)
+        stale = self._stale(fleet.prefill, now, keep, busy_at)  # the prefill pool holds serving instances only
         return 0, tuple(v.instance_id for v in stale[:surplus])
 
     def _stale(self, views: Iterable[InstanceView], now: float, keep: Container[str],

@@ -124,7 +124,6 @@ class RayLauncher(Launcher):
         self._actor_class = ray.remote(WorkerActor)
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self.groups: dict[str, PlacementGroup] = {}  # instance id -> the reservation its actor runs in
-        self.nodes: dict[str, str] = {}  # instance id -> the Ray node its worker runs on
         # instance id -> how it ended: 0 stopped by itself (drained), 1 stopped past the timeout, None its actor died
         self.exit_codes: dict[str, int | None] = {}
         self._watchers: dict[str, asyncio.Task] = {}
@@ -153,13 +152,11 @@ class RayLauncher(Launcher):
             if not await asyncio.to_thread(group.wait, self.placement_timeout_s):
                 raise PlacementError(f"Ray found no machine with {self._resource_text()} free for {instance_id} "
                                      f"within {self.placement_timeout_s:g} s")
-            self.nodes[instance_id] = ray.util.placement_group_table(group)["bundles_to_node_id"][0]
             actor = self.actors[instance_id] = self._actor_class.options(
                 max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(group), **self.resources
             ).remote(config, self.heartbeat_s, self.token, self.host)
             address = await asyncio.wait_for(actor.start.remote(instance_id), self.ready_timeout_s)
         except BaseException as e:
-            self._ending.add(instance_id)
             if instance_id in self.actors:
                 ray.kill(self.actors[instance_id])
             self._drop(instance_id)
@@ -217,7 +214,6 @@ class RayLauncher(Launcher):
         self.spares.pop(instance_id, None)
         self.roles.pop(instance_id, None)
         self.actors.pop(instance_id, None)
-        self.nodes.pop(instance_id, None)
         group = self.groups.pop(instance_id, None)
         if group is not None:
             remove_placement_group(group)  # frees the reservation; kills its actor if that still runs

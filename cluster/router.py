@@ -419,11 +419,16 @@ class Router:
         arrives = now + self._transfer_s(req)
         return req.snapshot(arrives if late else req.arrival + req.tpot_s), arrives
 
+    @property
+    def prefill_seconds_per_token(self) -> float:
+        """A prompt token's predicted time on a prefill instance, in whole chunks (the autoscaler's prefill sizing)."""
+        return self.checker.prefill_seconds(self.max_prefill_chunk) / self.max_prefill_chunk
+
     def _transfer_s(self, req: RoutedRequest) -> float:
         return self.transfer.seconds(req.num_prompt_tokens) if self.transfer is not None else 0.0
 
     def _least_queued_prefill(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
-                         now: float) -> tuple[InstanceView, How] | None:
+                              now: float) -> tuple[InstanceView, How] | None:
         """The prefill instance with the least queued work of those whose queue attains `req`'s first token and
         transfer. Not the busiest, as in a tier: a prompt gains nothing from company (a chunk fills the GPU alone),
         so packing a queue to its deadlines only makes its prompts late together under a slow step, and leaves no
@@ -521,9 +526,6 @@ class Router:
             if self.roles.get(view.instance_id) == "prefill":
                 return self.checker.fits_prefill(view.summary, view.kv_capacity_tokens, view.iteration_end, snap,
                                                  now, early, self._transfer_s(req))
-        if not req.companions:
-            return self.checker.fits(view.summary, view.kv_capacity_tokens, view.iteration_end, budget_ms, snap,
-                                     now, early)
         for sample in req.companions:
             self._seat(view, sample)
         try:

@@ -628,11 +628,13 @@ class RouterService:
         if autoscaler is None or self._stopping:
             return
         router, launcher = self.router, self.launcher
-        chunk = router.max_prefill_chunk
-        holding = {s.handoff.prefill_instance for s in self.streams.values() if s.handoff is not None}
-        roles = router.roles if launcher is None else {**launcher.roles, **router.roles}
-        plan = autoscaler.plan(router.fleet, router.waiting_tiers(), now, keep=holding, roles=roles,
-                               prefill_seconds_per_token=router.checker.prefill_seconds(chunk) / chunk)
+        if autoscaler.limits.min_prefill_instances:  # what only a disaggregated fleet's plan reads
+            holding = {s.handoff.prefill_instance for s in self.streams.values() if s.handoff is not None}
+            roles = router.roles if launcher is None else {**launcher.roles, **router.roles}
+            plan = autoscaler.plan(router.fleet, router.waiting_tiers(), now, keep=holding, roles=roles,
+                                   prefill_seconds_per_token=router.prefill_seconds_per_token)
+        else:
+            plan = autoscaler.plan(router.fleet, router.waiting_tiers(), now)
         if launcher is not None and (plan.num_to_start or plan.num_prefill_to_start):
             self._start_instances(launcher, plan.num_prefill_to_start, plan.num_to_start, now)
         for instance_id in plan.to_stop:

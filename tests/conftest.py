@@ -87,6 +87,19 @@ def openai_client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def completion_text(server, stream: bool, max_tokens: int, **kwargs) -> str:
+    """A completion's text through the openai client, streamed or whole, checked to have run its `max_tokens` to
+    their end ("length")."""
+    client = openai_client(server)
+    if stream:
+        chunks = list(client.completions.create(stream=True, max_tokens=max_tokens, **kwargs))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+    out = client.completions.create(max_tokens=max_tokens, **kwargs)
+    assert out.usage.completion_tokens == max_tokens and out.choices[0].finish_reason == "length"
+    return out.choices[0].text
+
+
 @pytest.fixture(scope="session")
 def h200_fleet():
     """The H200 profile of Llama-3.1-8B, its default tiers, and workloads of the conversation trace for a fleet of

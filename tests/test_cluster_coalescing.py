@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from bench.router_scale import SameClockLink
 from cluster import protocol as p
 from cluster.fleet import RoutedRequest
 from cluster.router import InstanceReport, Router
@@ -88,17 +89,6 @@ def test_a_report_needs_a_step():
 
 
 # ---- a live worker ---------------------------------------------------------------------------------------------
-class _Link:
-    """What RouterService reads of a link while it handles a frame: the worker's clock is the router's."""
-
-    def __init__(self, instance_id: str):
-        self.instance_id, self.clock_offset = instance_id, 0.0
-
-    @staticmethod
-    def to_router_clock(t: float) -> float:
-        return t
-
-
 def _place(routers, rid: str, prompt: int, max_tokens: int, now: float = 0.0) -> None:
     for router in routers:
         req = RoutedRequest(rid, 0, "std", TIERS[0].slo, now, prompt, max_tokens)
@@ -171,7 +161,7 @@ def test_a_coalescing_worker_sends_fewer_reports_and_its_router_sees_what_a_repo
     for rid in ("a", "b", "c"):
         _place((coalesced, per_step), rid, *requests[rid])
     service = RouterService(coalesced, token=TOKEN)
-    link = _Link("w")
+    link = SameClockLink("w")
     told = compared = 0  # steps told to per_step; views compared
 
     def compare() -> int:

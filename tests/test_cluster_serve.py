@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from conftest import openai_client, serving_fleet
+from conftest import completion_text, openai_client, serving_fleet
 
 from cluster.backend import RouterBackend
 from cluster.router import Router
@@ -44,16 +44,8 @@ def test_completions_equal_offline_generate(cluster, offline, stream, slo):
     backend, server = cluster
     prompt = f"The {slo} cluster says"
     want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
-    kwargs = dict(model=backend.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                  extra_body=SLO_FIELDS[slo])
-    if stream:
-        chunks = list(openai_client(server).completions.create(stream=True, **kwargs))
-        text = "".join(c.choices[0].text for c in chunks if c.choices)
-        assert chunks[-1].choices[0].finish_reason == "length"
-    else:
-        out = openai_client(server).completions.create(**kwargs)
-        text = out.choices[0].text
-        assert out.usage.completion_tokens == MAX_TOKENS and out.choices[0].finish_reason == "length"
+    text = completion_text(server, stream, MAX_TOKENS, model=backend.model_name, prompt=prompt, temperature=0,
+                           extra_body=SLO_FIELDS[slo])
     assert text == want.text and text
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import openai_client, serving_fleet
+from conftest import completion_text, openai_client, serving_fleet
 
 from cluster.fleet import InstanceStatus
 from cluster.launcher import LocalLauncher
@@ -51,15 +51,7 @@ def test_pd_fleet_serves_offline_greedy_text_through_a_hand_off(pd_cluster, offl
     handed_off = counts["handed_off"]
     prompt = f"A {'streamed' if stream else 'whole'} answer from two engines:"
     want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].text
-    kwargs = dict(model=backend.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-    if stream:
-        chunks = list(openai_client(server).completions.create(stream=True, **kwargs))
-        text = "".join(c.choices[0].text for c in chunks if c.choices)
-        assert chunks[-1].choices[0].finish_reason == "length"
-    else:
-        out = openai_client(server).completions.create(**kwargs)
-        text = out.choices[0].text
-        assert out.usage.completion_tokens == MAX_TOKENS and out.choices[0].finish_reason == "length"
+    text = completion_text(server, stream, MAX_TOKENS, model=backend.model_name, prompt=prompt, temperature=0)
     assert text and text == want
     assert counts["handed_off"] == handed_off + 1
     assert counts["transfer_failed"] == 0 and counts["migrated"] == 0

@@ -506,10 +506,9 @@ class Simulator:
 
     def _autoscale(self, now: float) -> None:
         router = self.router
-        chunk = router.max_prefill_chunk
         holding = {inst.instance_id for inst, _ in self._prefilled.values()}  # a hand-off's KV, not yet pulled
         plan = router.autoscaler.plan(router.fleet, router.waiting_tiers(), now, keep=holding, roles=router.roles,
-                                      prefill_seconds_per_token=router.checker.prefill_seconds(chunk) / chunk)
+                                      prefill_seconds_per_token=router.prefill_seconds_per_token)
         for k in range(plan.num_prefill_to_start + plan.num_to_start):
             instance_id = self._new_instance(now, prefill=k < plan.num_prefill_to_start)
             self._pending_ready += 1
