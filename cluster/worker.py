@@ -362,13 +362,8 @@ class Worker:
                                                 out.prompt_top_logprobs if first else None))
                 seen += n
             if out.finish_reason == "prefilled":
-                try:
-                    handoff = await self.async_engine.call(Engine.handoff, rid)
-                except BaseException:  # its router left meanwhile: nobody will pull it
-                    self.async_engine.abort(rid)
-                    raise
                 self._hold(rid)
-                conn.add(p.Prefilled(rid, kv_transfer.encode_frame(handoff), out.num_cached_tokens))
+                conn.add(p.Prefilled(rid, kv_transfer.encode_frame(out.handoff), out.num_cached_tokens))
             elif out.finished:
                 conn.add(self._final(out))
             self._schedule_flush()

@@ -61,6 +61,7 @@ class RequestOutput:
     # per prompt token (None for the first), complete from the first output on, when `prompt_logprobs` asks
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    handoff: Handoff | None = None  # finish_reason "prefilled": what the decode side needs to continue it
 
 
 class Engine:
@@ -259,7 +260,9 @@ class Engine:
         self.running.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, "prefilled"
         self.handoffs[req.request_id] = req
-        return self._output(req, [token], self.detok[req.request_id].take_delta(False))
+        out = self._output(req, [token], self.detok[req.request_id].take_delta(False))
+        out.handoff = self.handoff(req.request_id)
+        return out
 
     def _blocks_for(self, num_tokens: int) -> int:
         """How many KV blocks hold `num_tokens` tokens."""
