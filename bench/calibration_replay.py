@@ -32,8 +32,8 @@ from typing import Callable
 
 import numpy as np
 
-from cluster.sim.calibration import (EngineReplay, FleetReplay, attained, replay_on_engine, replay_on_fleet,
-                                     simulated_with_host_time, write_emulated_model_folder)
+from cluster.sim.calibration import (EngineReplay, FleetReplay, attained, live_latencies, replay_on_engine,
+                                     replay_on_fleet, simulated_with_host_time, write_emulated_model_folder)
 from cluster.sim.simulator import SimConfig, SimResult
 from cluster.sim.workload import TierMix, Workload, WorkloadFactory, default_tiers, load_trace
 from scheduler.latency_model import LatencyModel
@@ -106,10 +106,6 @@ def _relative(name: str, live: float, simulated: float, rel: float) -> Check:
     return Check(name, f"{live:.4g}", f"{simulated:.4g}", f"within {rel:.0%}", abs(simulated - live) <= rel * abs(live))
 
 
-def _tpots(token_times) -> np.ndarray:
-    return np.array([(t[-1] - t[0]) / (len(t) - 1) for t in token_times if len(t) > 1])
-
-
 def _latency_checks(label: str, live_ttft: np.ndarray, live_tpot: np.ndarray, sim_ttft: np.ndarray,
                     sim_tpot: np.ndarray, tpot_p90_rel: float) -> list[Check]:
     """TPOT medians within 15 %, p90 within `tpot_p90_rel`; first tokens queue near these loads, so their median
@@ -128,13 +124,13 @@ def engine_checks(setup: Setup, live: EngineReplay, sim: SimResult) -> list[Chec
     w = setup.workload
     every = all(t is not None and len(t) == n for t, n in zip(live.token_times, w.output_lens))
     host_ms = 1000 * (live.step_overhead_s + 32 * live.step_overhead_per_seq_s)
-    live_ttft = np.array([t[0] - a for t, a in zip(live.token_times, w.arrivals) if t])
+    live_ttft, live_tpot = live_latencies(w.arrivals, live.token_times)
     sim_tpot = sim.mean_tpot[~np.isnan(sim.mean_tpot)]
     return [_all("every request served", every, bool(sim.served.all())),
             Check("host time per step at 32 sequences, ms", f"{host_ms:.3g}", "(fitted)", "in (0, 5)",
                   0 < host_ms < 5),
             _points("attainment", attained(w, live.token_times).mean(), sim.attainment(), 0.06),
-            *_latency_checks("all", live_ttft, _tpots([t for t in live.token_times if t]), sim.ttft, sim_tpot, 0.15)]
+            *_latency_checks("all", live_ttft, live_tpot, sim.ttft, sim_tpot, 0.15)]
 
 
 def fleet_checks(setup: Setup, live: FleetReplay, sim: SimResult) -> list[Check]:
@@ -150,10 +146,9 @@ def fleet_checks(setup: Setup, live: FleetReplay, sim: SimResult) -> list[Check]
         return checks
     for k, tier in enumerate(w.tiers):
         idx = np.flatnonzero(w.tier_index == k)
-        times = [live.token_times[i] for i in idx]
-        live_ttft = np.array([t[0] - w.arrivals[i] for i, t in zip(idx, times)])
+        live_ttft, live_tpot = live_latencies(w.arrivals, live.token_times, idx)
         sim_tpot = sim.mean_tpot[idx][~np.isnan(sim.mean_tpot[idx])]
-        checks += _latency_checks(tier.name, live_ttft, _tpots(times), sim.ttft[idx], sim_tpot, 0.2)
+        checks += _latency_checks(tier.name, live_ttft, live_tpot, sim.ttft[idx], sim_tpot, 0.2)
     return checks
 
 

@@ -451,9 +451,9 @@ class CalibrationJob:
 
 def _live_latencies(w, token_times: list[list[float] | None], idx: np.ndarray) -> dict:
     """TTFT and mean TPOT (seconds) of the requests `idx` of a live run, every one of which finished."""
-    times = [token_times[i] for i in idx]
-    return {"live_ttft": [t[0] - w.arrivals[i] for i, t in zip(idx, times)],
-            "live_tpot": [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]}
+    from cluster.sim.calibration import live_latencies
+    ttft, tpot = live_latencies(w.arrivals, token_times, idx)
+    return {"live_ttft": ttft.tolist(), "live_tpot": tpot.tolist()}
 
 
 def _sim_latencies(res: SimResult, idx: np.ndarray, prefix: str) -> dict:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from bench.calibration_replay import engine_policy, engine_setup
-from cluster.sim.calibration import (STALL_THRESHOLD_S, EngineReplay, attained, host_time, replay_on_engine,
-                                     replay_on_fleet, simulated_with_host_time, write_emulated_model_folder)
+from cluster.sim.calibration import (STALL_THRESHOLD_S, EngineReplay, attained, host_time, live_latencies,
+                                     replay_on_engine, replay_on_fleet, simulated_with_host_time, write_emulated_model_folder)
 from cluster.sim.simulator import SimConfig
 from cluster.sim.workload import Workload
 from scheduler.prediction_error import PredictionError
@@ -144,3 +144,12 @@ def test_live_pd_fleet_hands_every_request_from_a_prefill_to_a_decode_engine(tmp
     assert sim.served.all() and sim.handed_off.tolist() == (output_lens > 1).tolist()
     with pytest.raises(ValueError, match="not the replayed fleet's"):
         simulated_with_host_time(dataclasses.replace(config, prefill_instances=2), tiers, model, w, live)
+
+
+def test_live_latencies_of_the_requests_that_emitted_tokens():
+    arrivals = np.array([0.0, 1.0, 2.0, 3.0])
+    token_times = [[0.5, 0.7, 1.1], None, [2.25], [3.5, 4.5]]
+    ttft, tpot = live_latencies(arrivals, token_times)
+    assert ttft.tolist() == pytest.approx([0.5, 0.25, 0.5]) and tpot.tolist() == pytest.approx([0.3, 1.0])
+    ttft, tpot = live_latencies(arrivals, token_times, np.array([1, 2]))
+    assert ttft.tolist() == pytest.approx([0.25]) and tpot.size == 0

@@ -378,3 +378,14 @@ def attained(workload: Workload, token_times: list[list[float] | None]) -> np.nd
         if times and k != REFUSED:
             out[i] = measure_request(workload.tiers[k].slo, float(workload.arrivals[i]), times).attained
     return out
+
+
+def live_latencies(arrivals: np.ndarray, token_times: list[list[float] | None],
+                   idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """TTFT and mean TPOT (seconds) of a live run's requests `idx` (None: all) that emitted a token; the TPOT of those
+    with two tokens or more."""
+    idx = np.arange(len(token_times)) if idx is None else idx
+    served = [(int(i), token_times[i]) for i in idx if token_times[i]]
+    ttft = np.array([t[0] - arrivals[i] for i, t in served])
+    tpot = np.array([(t[-1] - t[0]) / (len(t) - 1) for _, t in served if len(t) > 1])
+    return ttft, tpot
