@@ -29,7 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable, Sequence
+from typing import Awaitable, Callable, Collection, Sequence
 
 from cluster.protocol import TOKEN_ENV
 from engine.config import EngineConfig
@@ -74,9 +74,9 @@ class Launcher(ABC):
     async def start(self, instance_id: str) -> tuple[str, int]:
         """Brings a worker up; returns (host, port) once it listens. LaunchError (PlacementError: no room) if not."""
 
-    @abstractmethod
     def holds(self, instance_id: str) -> bool:
         """Whether a worker of that id is starting, running, or ended and not yet stopped here."""
+        return instance_id in self._worker_ids()
 
     @abstractmethod
     def alive(self, instance_id: str) -> bool:
@@ -95,7 +95,7 @@ class Launcher(ABC):
         """Ends every worker."""
 
     @abstractmethod
-    def _worker_ids(self) -> Iterable[str]:
+    def _worker_ids(self) -> Collection[str]:
         """Every worker held, spares included."""
 
     @abstractmethod
@@ -194,14 +194,11 @@ class LocalLauncher(Launcher):
         """How many workers can run at once (one per GPU); None: no bound here."""
         return len(self.gpus) if self.gpus else None
 
-    def holds(self, instance_id: str) -> bool:
-        return instance_id in self.processes
-
     def alive(self, instance_id: str) -> bool:
         p = self.processes.get(instance_id)
         return p is not None and p.proc.returncode is None
 
-    def _worker_ids(self) -> Iterable[str]:
+    def _worker_ids(self) -> Collection[str]:
         return self.processes.keys()
 
     def _forget(self, instance_id: str) -> None:

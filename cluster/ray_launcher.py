@@ -26,7 +26,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Iterable
+from typing import Collection
 
 import ray
 from ray.exceptions import RayActorError, RayError
@@ -129,13 +129,10 @@ class RayLauncher(Launcher):
         self._watchers: dict[str, asyncio.Task] = {}
         self._ending: set[str] = set()  # asked to stop or killed here: its end is expected, not news
 
-    def holds(self, instance_id: str) -> bool:
-        return instance_id in self.groups
-
     def alive(self, instance_id: str) -> bool:
         return instance_id in self.actors and instance_id not in self.exit_codes
 
-    def _worker_ids(self) -> Iterable[str]:
+    def _worker_ids(self) -> Collection[str]:
         return self.groups.keys()
 
     def _forget(self, instance_id: str) -> None:
