@@ -1,6 +1,9 @@
-"""Attention metadata of the current step. The model sees only (input_ids, positions); attention reads the rest here."""
+"""Attention metadata of the current step. The model sees only (input_ids, positions); attention reads the rest here.
+One per thread: each engine steps on a thread of its own, and two engines in one process (a prefill and a decode
+engine in a test, or beside a server) must not read each other's."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -18,15 +21,15 @@ class AttentionContext:
     num_decodes: int | None = None  # leading sequences with one query token each (attention's decode launch)
 
 
-_context: AttentionContext | None = None
+_local = threading.local()
 
 
 def set_context(ctx: AttentionContext | None) -> None:
-    global _context
-    _context = ctx
+    _local.context = ctx
 
 
 def get_context() -> AttentionContext:
-    if _context is None:
+    ctx = getattr(_local, "context", None)
+    if ctx is None:
         raise RuntimeError("attention called outside a step: no AttentionContext is set")
-    return _context
+    return ctx
