@@ -427,6 +427,10 @@ class RouterService:
                 if s.lost_at is not None and d.token_ids:
                     self.migration_delays.append(now - s.lost_at)
                     s.lost_at = None
+                if s.handoff is not None and d.token_ids and instance_id != s.handoff.prefill_instance:
+                    # a decode worker streams only once the import is applied, and the prefill side freed the
+                    # KV when told so: nothing is held for this stream any more
+                    s.handoff = None
                 s.token_ids.extend(d.token_ids)
                 s.token_times.extend([t + offset for t in d.emit_times])
                 if d.logprobs is not None:
@@ -560,7 +564,7 @@ class RouterService:
             s = self.streams.get(req.request_id)
             if s is None or s.done:
                 continue
-            if s.handoff is not None and s.handoff.prefill_instance != instance_id and len(s.token_ids) == 1:
+            if s.handoff is not None and s.handoff.prefill_instance != instance_id:
                 # lost before it streamed from its decode instance: the prefill side may hold the KV still
                 self._import_failed(s, instance_id, "transfer", reason, now)
             elif s.started:
@@ -629,9 +633,8 @@ class RouterService:
             return
         router, launcher = self.router, self.launcher
         if autoscaler.limits.min_prefill_instances:  # what only a disaggregated fleet's plan reads
-            holding = {s.handoff.prefill_instance for s in self.streams.values() if s.handoff is not None}
             roles = router.roles if launcher is None else {**launcher.roles, **router.roles}
-            plan = autoscaler.plan(router.fleet, router.waiting_tiers(), now, keep=holding, roles=roles,
+            plan = autoscaler.plan(router.fleet, router.waiting_tiers(), now, keep=self._holding_kv(), roles=roles,
                                    prefill_seconds_per_token=router.prefill_seconds_per_token)
         else:
             plan = autoscaler.plan(router.fleet, router.waiting_tiers(), now)
@@ -645,6 +648,10 @@ class RouterService:
                 task = self._spawn(self._spare_started(instance_id, launcher.start_spare(instance_id)))
                 self._spare_tasks.add(task)
                 task.add_done_callback(self._spare_tasks.discard)
+
+    def _holding_kv(self) -> set[str]:
+        """The prefill instances that hold a hand-off's KV for a stream, not yet imported where it was sent."""
+        return {s.handoff.prefill_instance for s in self.streams.values() if s.handoff is not None}
 
     def _start_instances(self, launcher: Launcher, num_prefill: int, num_others: int, now: float) -> None:
         """Decode (or co-located) workers from the warm spares first, then cold starts: the prefill workers first,

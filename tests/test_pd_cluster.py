@@ -298,6 +298,69 @@ def test_a_full_decode_worker_refuses_and_the_request_waits(llama_tiny):
     assert fleet.service.counts["handed_off"] == 1 and not fleet.service.counts["transfer_failed"]
 
 
+LONG = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # still streaming when the test acts
+# No model: engines of one process that step at once share no model state, and each step sleeps an H200's time
+EMULATED = {**TINY, "executor": "emulated"}
+
+
+def streaming(fleet: PdFleet, request_id: str, params: SamplingParams):
+    tier, slo = fleet.service.router.tiers.resolve(None)
+    return fleet.service.generate(request_id, PROMPT, params, tier.name, slo, time.monotonic())
+
+
+def test_a_hand_off_streaming_from_its_decode_worker_is_forgotten(llama_tiny):
+    """Its decode worker streams only once the KV is imported, which freed it on the prefill side: the router
+    holds the hand-off no more, so the autoscaler may stop that prefill worker, and the client leaving aborts the
+    request on the decode worker alone."""
+    async def scenario():
+        async with PdFleet(llama_tiny[0], ["prefill", "decode"], kv_chunk_bytes=1024, **EMULATED) as fleet:
+            service, prefill = fleet.service, fleet.workers["prefill-0"]
+            told = []  # what the router sent the prefill worker
+            dispatch = prefill._dispatch
+            prefill._dispatch = lambda conn, msg: (told.append(msg), dispatch(conn, msg))
+            outputs = streaming(fleet, "r", LONG)
+            held = []  # per output: (from decode-0, hand-off held, prefill instances holding a hand-off's KV)
+            async for out in outputs:
+                s = service.streams["r"]
+                held.append((s.routed.instance_id == "decode-0", s.handoff is not None, service._holding_kv()))
+                if len(out.token_ids) >= 3:
+                    break
+            await outputs.aclose()
+            # any Abort of "r" reaches the prefill worker before the next request's Submit does
+            after = await fleet.generate("after", PROMPT, GREEDY)
+            await fleet.settled("prefill-0", "decode-0")
+            return held, told, after
+
+    held, told, after = run(scenario())
+    assert held[-1] == (True, False, set())
+    assert after[-1].finish_reason == "length"
+    assert [type(m).__name__ for m in told if getattr(m, "request_id", None) == "r"] == ["Submit"]
+
+
+def test_a_decode_worker_lost_after_it_streamed_means_the_stream_migrates(llama_tiny):
+    """Not an import retry: the prefill side holds the KV no more, and the stream is output already. It is
+    prefilled again with what it streamed, handed off to the other decode worker, and ends as the co-located one."""
+    want = LLM(llama_tiny[0], **EMULATED).generate([PROMPT], LONG)[0].token_ids
+
+    async def scenario():
+        async with PdFleet(llama_tiny[0], ["prefill", "decode", "decode"], kv_chunk_bytes=1024, **EMULATED) as fleet:
+            outs, lost = [], []
+            async for out in streaming(fleet, "r", LONG):
+                outs.append(out)
+                if len(out.token_ids) == 3:
+                    lost.append(fleet.service.streams["r"].routed.instance_id)
+                    await fleet.workers[lost[0]].stop()
+            survivor = ({"decode-0", "decode-1"} - set(lost)).pop()
+            await fleet.settled("prefill-0", survivor)
+            return outs, fleet, lost
+
+    outs, fleet, lost = run(scenario())
+    assert lost[0].startswith("decode") and lost[0] not in fleet.service.links
+    assert outs[-1].finish_reason == "length" and joined(outs)[0] == want
+    counts = fleet.service.counts
+    assert counts["migrated"] == 1 and counts["handed_off"] == 2 and not counts["transfer_failed"]
+
+
 def test_the_hand_off_frames_round_trip():
     frames = [p.Hello(p.PROTOCOL_VERSION, "prefill-0", 1, 2.0, 64, 16, 4096, 307, False, "model", b"c", "prefill",
                       4242),
