@@ -7,21 +7,22 @@
 One request's prompt KV, in a cache of the model's shape whose blocks lie scattered (a shuffled block table), goes
 from a sender process to this one over asyncio on 127.0.0.1. The KV path is the cluster's pull (cluster/worker.py):
 the sender reads the blocks and frames them (`stream_blocks`), writes each frame as a cluster protocol `KvData` frame
-(`encode_kv_data`: its head, then the chunk's data from where it lies) and drains; this side reads the `KvData`
-frames, decodes the hand-off frame inside, feeds it to a `KvReceiver` and, once the transfer is complete and
-verified, writes the payload into a cache tensor of its own (`write_blocks`, as `Engine.finish_import` does). The
-plain copy sends the same bytes from one contiguous buffer in chunks of the same size, unframed and unchecked, into
-one preallocated buffer here: what the socket and the event loop allow these two processes. Each repeat runs the
-plain copy and then the KV transfer; both are timed on this side, from the request to the sender until the last
-byte is in place; the median of the repeats is reported.
+(`encode_kv_data`: its head, then the chunk's data from where it lies) and drains; this side reads them as the
+decode worker does (`protocol.PullReader.read_message`: a chunk's head, then its data straight into the
+`KvReceiver`'s staging, checked there) and, once the transfer is complete and verified, writes the payload into a
+cache tensor of its own (`write_blocks`, as `Engine.finish_import` does). The plain copy sends the same bytes from
+one contiguous buffer in chunks of the same size, unframed and unchecked, into one preallocated buffer here: what
+the socket and the event loop allow these two processes (the KV frames come over a connection of their own). Each
+repeat runs the plain copy and then the KV transfer; both are timed on this side, from the request to the sender
+until the last byte is in place; the median of the repeats is reported.
 
---receiver picks how this side reads, the plain copy and the KV frames alike: `buffered` (an
-`asyncio.BufferedProtocol`: the plain copy lands straight in its destination, the frames in one reused buffer where
-they are decoded in place) or `streams` (`cluster.protocol.read_message` on a `StreamReader`, as the decode worker
-reads its pull; the plain copy's pieces, read with `readexactly`, are then copied into the destination). The sender
-writes with `StreamWriter` in both. The first repeat checks that the blocks that landed hold the bytes sent.
-Payloads above --max-bytes are skipped (this side holds each one four times over while checking it). Figures depend
-on the load of the machine: give the load average.
+--receiver picks how this side reads the plain copy: `buffered` (an `asyncio.BufferedProtocol`: it lands straight
+in its destination, the most a reader of this event loop gets) or `streams` (`StreamReader.readexactly`, each piece
+then copied into the destination: what a reader through asyncio streams gets, as the decode worker's pull was
+before it read chunks into their place). The KV frames are read by the pull's reader in both. The sender writes
+with `StreamWriter` in both. The first repeat checks that the blocks that landed hold the bytes sent. Payloads above
+--max-bytes are skipped (this side holds each one four times over while checking it). Figures depend on the load of
+the machine: give the load average.
 """
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ import numpy as np
 import torch
 
 from cluster import protocol as p
-from engine.kv_transfer import KvEnd, KvLayout, KvReceiver, MAX_CHUNK_BYTES, Handoff, decode_frame, read_blocks, \
-    stream_blocks, write_blocks
+from engine.kv_transfer import KvLayout, KvReceiver, MAX_CHUNK_BYTES, Handoff, read_blocks, stream_blocks, \
+    write_blocks
 from engine.model_config import DTYPES
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
-HEADER = p.HEADER  # the cluster protocol's frame header: the frames parsed here are its KvData frames
+HEADER = p.HEADER  # the commands' length prefix: the cluster protocol's frame header
 BLOCK_SIZE = 16
 SPARE_BLOCKS = 8  # the cache holds more blocks than the request's, so that its block table is a real scatter
 # (layers, kv heads, head dim) of the models' caches
@@ -94,12 +95,13 @@ class Command(msgspec.Struct, array_like=True):
 
 
 # ---- the sender process ------------------------------------------------------------------------------------------
-def sender_main(port: int, cases: list[Case], chunk_bytes: int) -> None:
-    asyncio.run(_sender(port, cases, chunk_bytes))
+def sender_main(port: int, kv_port: int, cases: list[Case], chunk_bytes: int) -> None:
+    asyncio.run(_sender(port, kv_port, cases, chunk_bytes))
 
 
-async def _sender(port: int, cases: list[Case], chunk_bytes: int) -> None:
+async def _sender(port: int, kv_port: int, cases: list[Case], chunk_bytes: int) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    _, kv_writer = await asyncio.open_connection("127.0.0.1", kv_port)
     current, cache, block_ids, source = -1, None, None, None
     while True:
         (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
@@ -122,25 +124,21 @@ async def _sender(port: int, cases: list[Case], chunk_bytes: int) -> None:
         elif command.op == "kv":
             for frame in stream_blocks(case.label, cache, case.layout, block_ids, 0, chunk_bytes):
                 head, data = p.encode_kv_data(frame)
-                writer.write(head)
-                writer.write(data)
-                await writer.drain()
-    writer.close()
-    await writer.wait_closed()
+                kv_writer.write(head)
+                kv_writer.write(data)
+                await kv_writer.drain()
+    for w in (writer, kv_writer):
+        w.close()
+        await w.wait_closed()
 
 
 # ---- this side ---------------------------------------------------------------------------------------------------
 class BufferedLink(asyncio.BufferedProtocol):
-    """Reads either raw bytes straight into a destination buffer or length-prefixed frames into one reused buffer,
-    handing each frame to a callback as a view of that buffer (valid during the call)."""
+    """Reads raw bytes straight into a destination buffer."""
 
-    def __init__(self, max_frame: int):
-        self.buffer = bytearray(2 * (max_frame + HEADER.size))
-        self.view = memoryview(self.buffer)
-        self.max_frame = max_frame
-        self.read = self.filled = 0
+    def __init__(self):
         self.raw: memoryview | None = None  # the destination of a raw copy
-        self.on_frame = None
+        self.filled = 0
         self.done: asyncio.Future | None = None
         self.transport = None
         self.connected = asyncio.get_running_loop().create_future()
@@ -154,42 +152,17 @@ class BufferedLink(asyncio.BufferedProtocol):
         self.done = asyncio.get_running_loop().create_future()
         return self.done
 
-    def expect_frames(self, on_frame) -> asyncio.Future:
-        """`on_frame(view)` for each frame until it returns True."""
-        self.raw, self.on_frame, self.read, self.filled = None, on_frame, 0, 0
-        self.done = asyncio.get_running_loop().create_future()
-        return self.done
-
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.raw is not None:
-            return self.raw[self.filled:]
-        if len(self.buffer) - self.filled < self.max_frame + HEADER.size:  # room for a whole frame, always
-            rest = self.filled - self.read
-            self.view[:rest] = self.view[self.read:self.filled]
-            self.read, self.filled = 0, rest
-        return self.view[self.filled:]
+        if self.done is None or self.done.done():  # asked for the connection's end too: a byte would be an error
+            return memoryview(bytearray(1))
+        return self.raw[self.filled:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.done is None or self.done.done():
+            raise RuntimeError("bytes came that no copy expects")
         self.filled += nbytes
-        if self.raw is not None:
-            if self.filled == len(self.raw):
-                self.done.set_result(None)
-            return
-        try:
-            while self.filled - self.read >= HEADER.size:
-                (size,) = HEADER.unpack_from(self.buffer, self.read)
-                if size > self.max_frame:
-                    raise ValueError(f"a frame of {size} bytes is over this link's {self.max_frame}")
-                end = self.read + HEADER.size + size
-                if end > self.filled:
-                    break
-                last = self.on_frame(self.view[self.read + HEADER.size:end])
-                self.read = end
-                if last:
-                    self.done.set_result(None)
-                    return
-        except Exception as e:  # noqa: BLE001 - the measurement reports it
-            self.done.set_exception(e)
+        if self.filled == len(self.raw):
+            self.done.set_result(None)
 
     def connection_lost(self, exc) -> None:
         if self.done is not None and not self.done.done():
@@ -199,10 +172,6 @@ class BufferedLink(asyncio.BufferedProtocol):
 class StreamLink:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
-
-    async def frames(self, on_message) -> None:
-        while not on_message(await p.read_message(self.reader, thread_decode_bytes=p.MAX_FRAME_BYTES)):
-            pass
 
 
 @dataclass(slots=True)
@@ -222,15 +191,21 @@ class Row:
 async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repeats: int) -> None:
     """Prints a row per case as it is done."""
     loop = asyncio.get_running_loop()
-    max_frame = chunk_bytes + 4096
-    accepted = loop.create_future()
+    accepted, kv_accepted = loop.create_future(), loop.create_future()
     if receiver_kind == "buffered":
-        link = BufferedLink(max_frame)
+        link = BufferedLink()
         server = await loop.create_server(lambda: link, "127.0.0.1", 0)
     else:
         server = await asyncio.start_server(lambda r, w: accepted.set_result(StreamLink(r, w)), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    process = multiprocessing.get_context("spawn").Process(target=sender_main, args=(port, cases, chunk_bytes))
+
+    def kv_link_made() -> p.PullReader:
+        kv_accepted.set_result(p.PullReader())
+        return kv_accepted.result()
+
+    kv_server = await loop.create_server(kv_link_made, "127.0.0.1", 0)
+    port, kv_port = (s.sockets[0].getsockname()[1] for s in (server, kv_server))
+    process = multiprocessing.get_context("spawn").Process(target=sender_main,
+                                                           args=(port, kv_port, cases, chunk_bytes))
     process.start()
     if receiver_kind == "buffered":
         await link.connected
@@ -238,6 +213,7 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
     else:
         link = await accepted
         send = link.writer.write
+    kv_link = await kv_accepted
 
     def command(op: str, index: int) -> None:
         payload = msgspec.msgpack.encode(Command(op, index))
@@ -264,18 +240,10 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
                     await done
                     plain_s = time.perf_counter() - start
                 receiver = KvReceiver(case.handoff(), 0, block_ids, 0)
-
-                def on_message(msg: p.KvData) -> bool:
-                    frame = decode_frame(msg.frame)
-                    receiver.receive(frame)
-                    return isinstance(frame, KvEnd)
-
                 start = time.perf_counter()
                 command("kv", index)
-                if receiver_kind == "streams":
-                    await link.frames(on_message)
-                else:
-                    await link.expect_frames(lambda payload: on_message(p.decode_payload(payload)))
+                while not receiver.complete:  # as the decode worker's pull (`_PeerKv.frames`) feeds its receiver
+                    receiver.receive(await kv_link.read_message(chunk_memory=receiver.chunk_memory))
                 write_blocks(cache, block_ids, receiver.payload)
                 kv_s = time.perf_counter() - start
                 if repeat == 0:  # what landed is what was sent, in its blocks
@@ -293,6 +261,7 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
         if process.is_alive():
             process.kill()
         server.close()
+        kv_server.close()
 
 
 async def _plain_streams(link: StreamLink, command, index: int, plain: torch.Tensor, chunk_bytes: int) -> float:

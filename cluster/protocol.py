@@ -23,7 +23,7 @@ import hashlib
 import hmac
 import os
 import struct
-from typing import Annotated, Union
+from typing import Annotated, Callable, Union
 
 import msgspec
 
@@ -315,3 +315,184 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_
     if size > thread_decode_bytes:  # a prompt's top logprobs: decoded beside the loop, which keeps its other streams
         return await asyncio.to_thread(decode_payload, payload)
     return decode_payload(payload)
+
+
+# the first read of a frame that may carry a chunk: its head whole unless the request id is hundreds of characters
+# long (such a frame is then read whole, and its chunk copied into place)
+_KV_HEAD_READ_BYTES = 512
+
+
+def decode_kv_chunk_head(head: bytes | memoryview, size: int) -> tuple[kv_transfer.KvChunk, int] | None:
+    """When `head`, the leading bytes of a frame of `size` payload bytes, shows a KvData frame that carries a chunk
+    (`encode_kv_data`'s head): the chunk with its data empty, and where in the payload its data starts. None for any
+    other frame, and for one whose head does not add up to `size` (the whole frame's decoding says what is wrong)."""
+    view = memoryview(head).cast("B")
+    if view[:len(_KV_DATA_HEAD)] != _KV_DATA_HEAD:
+        return None
+    inner = kv_transfer.decode_bin_header(view[len(_KV_DATA_HEAD):])
+    if inner is None:
+        return None
+    start = len(_KV_DATA_HEAD) + inner[1]
+    chunk = kv_transfer.decode_chunk_head(view[start:])
+    if chunk is None or start + inner[0] != size or start + chunk[1] + chunk[2] != size:
+        return None
+    return chunk[0], start + chunk[1]
+
+
+class PullReader(asyncio.BufferedProtocol):
+    """The decode side of a KV pull connection (its protocol, for `loop.create_connection`): messages as
+    `read_message` reads them from a StreamReader, but a KvData frame that carries a chunk is read head first and
+    its data straight from the socket into the receiver's staging (`read_message`'s `chunk_memory`): each byte is
+    copied once, where a StreamReader copies it into its buffer and out again. It reads while a read waits, and a
+    few KiB ahead (the next frame's header and head) while none does; past that a peer's bytes wait in the socket,
+    and the peer's writes in turn (backpressure). One read at a time."""
+
+    READ_AHEAD_BYTES = 4096
+
+    def __init__(self, max_bytes: int = MAX_FRAME_BYTES):
+        self.max_bytes = max_bytes
+        self.transport: asyncio.Transport | None = None
+        self._ahead = memoryview(bytearray(self.READ_AHEAD_BYTES))
+        self._start = self._end = 0  # the unread bytes of the read-ahead
+        self._into: memoryview | None = None  # a waiting read's destination, filled up to _filled
+        self._filled = 0
+        self._waiter: asyncio.Future | None = None
+        self._eof, self._lost = False, None  # the peer's end; an error that ended the connection
+        self._paused = False
+
+    # ---- asyncio's side ------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._into is not None:
+            return self._into[self._filled:]
+        if self._start:  # the unread bytes to the front: a few, and only once a read took some
+            rest = self._end - self._start
+            self._ahead[:rest] = self._ahead[self._start:self._end]
+            self._start, self._end = 0, rest
+        return self._ahead[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._into is not None:
+            self._filled += nbytes
+            if self._filled == len(self._into):
+                self._wake(None)
+            return
+        self._end += nbytes
+        self._update_reading()
+
+    def eof_received(self) -> bool:
+        self._end_reads(None)
+        return False  # the transport closes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end_reads(exc)
+
+    def _end_reads(self, exc: Exception | None) -> None:
+        self._eof, self._lost = True, self._lost or exc
+        if self._into is not None:
+            self._wake(self._ended(self._into[:self._filled], len(self._into)))
+
+    def _ended(self, partial: memoryview, expected: int) -> Exception:
+        if self._lost is not None:
+            return ConnectionError(f"the connection was lost: {self._lost}")
+        return asyncio.IncompleteReadError(bytes(partial), expected)
+
+    def _wake(self, error: Exception | None) -> None:
+        """Ends the waiting read: done, or `error`. Its task may have been cancelled meanwhile."""
+        self._into = None
+        if self._waiter.done():
+            return
+        if error is None:
+            self._waiter.set_result(None)
+        else:
+            self._waiter.set_exception(error)
+
+    def _update_reading(self) -> None:
+        """Reads while a read waits or the read-ahead has room."""
+        wanted = self._into is not None or self._end < len(self._ahead)
+        if self.transport is None or self.transport.is_closing() or wanted != self._paused:
+            return
+        if wanted:
+            self.transport.resume_reading()
+        else:
+            self.transport.pause_reading()
+        self._paused = not wanted
+
+    async def _read_into(self, memory: memoryview, timeout: float | None) -> None:
+        """Fills `memory` from the connection: TimeoutError when it waits longer than `timeout` for bytes,
+        IncompleteReadError at the peer's end, ConnectionError when the connection was lost."""
+        have = min(len(memory), self._end - self._start)
+        memory[:have] = self._ahead[self._start:self._start + have]
+        self._start += have
+        if self._start == self._end:
+            self._start = self._end = 0
+        if have < len(memory):
+            if self._eof:
+                raise self._ended(memory[:have], len(memory))
+            loop = asyncio.get_running_loop()
+            self._into, self._filled, self._waiter = memory, have, loop.create_future()
+            timer = None if timeout is None else loop.call_later(timeout, self._time_out)
+            self._update_reading()
+            try:
+                await self._waiter
+            finally:
+                self._into = self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        self._update_reading()
+
+    def _time_out(self) -> None:
+        if self._into is not None:
+            self._wake(TimeoutError("the peer sent nothing in time"))
+
+    # ---- the reader's side ---------------------------------------------------------------------------------
+    async def read_message(self, timeout: float | None = None,
+                           chunk_memory: Callable[[int], memoryview] | None = None) \
+            -> Message | kv_transfer.KvFrame | None:
+        """The next message; None when the peer ended the connection between frames; TimeoutError when a read of
+        it waits longer than `timeout` for bytes. With `chunk_memory` (`KvReceiver.chunk_memory`), a KvData frame
+        comes as the hand-off frame it carries, decoded, a chunk's data read into `chunk_memory(its size)` (the
+        chunk's data is that memory; what `chunk_memory` raises is raised before the data is read)."""
+        header = bytearray(HEADER.size)
+        try:
+            await self._read_into(memoryview(header), timeout)
+        except asyncio.IncompleteReadError as e:
+            if not e.partial:
+                return None
+            raise ProtocolError(f"stream ended inside a frame header ({len(e.partial)} of {HEADER.size} "
+                                f"bytes)") from None
+        (size,) = HEADER.unpack(header)
+        if size == 0 or size > self.max_bytes:
+            raise ProtocolError(f"frame length {size} is outside [1, {self.max_bytes}]")
+        payload = bytearray(size if chunk_memory is None else min(size, _KV_HEAD_READ_BYTES))
+        try:
+            await self._read_into(memoryview(payload), timeout)
+            chunk = None if chunk_memory is None else decode_kv_chunk_head(payload, size)
+            if chunk is not None:
+                head, start = chunk
+                data = chunk_memory(size - start)
+                read = len(payload) - start  # the data's first bytes, read with the head
+                data[:read] = memoryview(payload)[start:]
+                await self._read_into(data[read:], timeout)
+                return msgspec.structs.replace(head, data=data)
+            if size > len(payload):  # not a chunk: the rest of the frame after the bytes read
+                read, payload = payload, bytearray(size)
+                payload[:len(read)] = read
+                await self._read_into(memoryview(payload)[len(read):], timeout)
+        except asyncio.IncompleteReadError:
+            raise ProtocolError(f"stream ended inside a frame of {size} bytes") from None
+        msg = decode_payload(payload)
+        return kv_transfer.decode_frame(msg.frame) if chunk_memory is not None and isinstance(msg, KvData) else msg
+
+    def write(self, data: bytes) -> None:
+        """ConnectionError when the connection is closed or closing."""
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionError("the connection is closed")
+        self.transport.write(data)
+
+    def close(self) -> None:
+        """Closes the connection once what was written is sent."""
+        if self.transport is not None:
+            self.transport.close()

@@ -47,7 +47,7 @@ from engine import kv_transfer
 from engine.async_engine import AsyncEngine, EngineLoad
 from engine.config import EngineConfig, add_engine_args
 from engine.engine import Engine, InvalidRequestError, RequestOutput
-from engine.kv_transfer import KvEnd, KvImportRefused, KvTransferError
+from engine.kv_transfer import KvBegin, KvChunk, KvEnd, KvImportRefused, KvTransferError
 from engine.llm import build_engine
 from engine.serving import freeze_startup_heap
 from scheduler.types import StepStats
@@ -68,53 +68,49 @@ class HandoffGone(KvTransferError):
 
 
 class _PeerKv:
-    """A decode worker's pull of one request's KV from a prefill worker's KV listener (AsyncEngine's KvSource)."""
+    """A decode worker's pull of one request's KV from a prefill worker's KV listener (AsyncEngine's KvSource): each
+    chunk's bytes go from the socket straight into the receiver's staging (`protocol.PullReader`)."""
 
     def __init__(self, host: str, port: int, token: str, request_id: str):
         self.address, self.token, self.request_id = (host, port), token, request_id
-        self.writer: asyncio.StreamWriter | None = None
+        self.link: p.PullReader | None = None
 
-    async def frames(self, first_block: int):
-        reader, self.writer = await asyncio.wait_for(asyncio.open_connection(*self.address), KV_PULL_TIMEOUT_S)
-        hello = await self._read(reader)
+    async def frames(self, first_block: int, chunk_memory):
+        loop = asyncio.get_running_loop()
+        _, self.link = await asyncio.wait_for(loop.create_connection(p.PullReader, *self.address), KV_PULL_TIMEOUT_S)
+        hello = await self.link.read_message(KV_PULL_TIMEOUT_S)
         if not isinstance(hello, p.Hello):
             raise p.ProtocolError(f"expected Hello first, got {type(hello).__name__}")
         if hello.version != p.PROTOCOL_VERSION:
             raise p.ProtocolError(f"KV peer speaks protocol {hello.version}, this worker {p.PROTOCOL_VERSION}")
-        self.writer.write(p.encode_frame(p.Auth(p.auth_proof(self.token, hello.challenge)))
-                          + p.encode_frame(p.KvPull(self.request_id, first_block)))
+        self.link.write(p.encode_frame(p.Auth(p.auth_proof(self.token, hello.challenge)))
+                        + p.encode_frame(p.KvPull(self.request_id, first_block)))
         while True:
-            msg = await self._read(reader)
-            if isinstance(msg, p.KvRefused):
-                raise HandoffGone(msg.message)
-            if isinstance(msg, p.Error):
-                raise p.ProtocolError(f"the KV peer closed the connection: {msg.message} ({msg.kind})")
-            if not isinstance(msg, p.KvData):
-                raise p.ProtocolError(f"expected KvData, got {type(msg).__name__}")
-            frame = kv_transfer.decode_frame(msg.frame)
+            frame = await self.link.read_message(KV_PULL_TIMEOUT_S, chunk_memory)
+            if frame is None:
+                raise ConnectionError("the KV peer closed the connection mid-transfer")
+            if isinstance(frame, p.KvRefused):
+                raise HandoffGone(frame.message)
+            if isinstance(frame, p.Error):
+                raise p.ProtocolError(f"the KV peer closed the connection: {frame.message} ({frame.kind})")
+            if not isinstance(frame, (KvBegin, KvChunk, KvEnd)):
+                raise p.ProtocolError(f"expected KvData, got {type(frame).__name__}")
             yield frame
             if isinstance(frame, KvEnd):
                 return
 
-    async def _read(self, reader: asyncio.StreamReader):
-        # on the loop whatever the size: a KvData frame decodes to views of the frame read, no copy to move off it
-        msg = await asyncio.wait_for(p.read_message(reader, thread_decode_bytes=p.MAX_FRAME_BYTES), KV_PULL_TIMEOUT_S)
-        if msg is None:
-            raise ConnectionError("the KV peer closed the connection mid-transfer")
-        return msg
-
     async def applied(self) -> None:
         """Says KvDone; a peer gone by now frees the KV when its hold times out."""
         try:
-            self.writer.write(p.encode_frame(p.KvDone(self.request_id)))
-            await self.writer.drain()
-        except (ConnectionError, OSError) as err:
+            self.link.write(p.encode_frame(p.KvDone(self.request_id)))
+        except ConnectionError as err:
             log.info("KV peer %s:%d gone before KvDone of %s: %s", *self.address, self.request_id, err)
         self.close()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """Closes the connection once what was written is sent."""
+        if self.link is not None:
+            self.link.close()
 
 
 def resident_report(engine: Engine) -> list[p.Resident]:

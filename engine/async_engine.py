@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
 
-from engine.engine import Engine, RequestOutput
+from engine.engine import Engine, InvalidRequestError, RequestOutput
 from engine.kv_transfer import Handoff, KvBegin, KvChunk, KvEnd
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
@@ -30,8 +30,11 @@ class EngineLoad:
 class KvSource(Protocol):
     """Where an imported request's KV comes from (a prefill engine, over some transport)."""
 
-    def frames(self, first_block: int) -> AsyncGenerator[KvBegin | KvChunk | KvEnd, None]:
-        """The transfer's frames from the prompt's block `first_block` on, in order."""
+    def frames(self, first_block: int,
+               chunk_memory: Callable[[int], memoryview]) -> AsyncGenerator[KvBegin | KvChunk | KvEnd, None]:
+        """The transfer's frames from the prompt's block `first_block` on, in order. A transport that reads a
+        chunk's head before its data may read the data into `chunk_memory(its size)` (the receiver's staging,
+        `KvReceiver.chunk_memory`) and yield the chunk with that memory as its data: it is then not copied again."""
 
     async def applied(self) -> None:
         """The KV is in this engine: the sender may let go of it."""
@@ -72,23 +75,55 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
 
     async def call(self, fn: Callable, *args):
-        """Runs fn(engine, *args) on the engine thread between steps and returns its result (or raises)."""
+        """Runs fn(engine, *args) on the engine thread between steps and returns its result (or raises). A caller
+        that stops waiting before it ran (its task cancelled) cancels it; once it ran, it stays done."""
+        return await self._call(fn, args)
+
+    async def _call(self, fn: Callable, args: tuple, undo: Callable[[Any], Any] | None = None):
+        """`call`, and `undo(result)` on the engine thread if the caller stops waiting after fn completed: fn's
+        work would otherwise stay in the engine with nobody to read or end it."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.append((lambda: fn(self.engine, *args), fut))
+        self._post(lambda: fn(self.engine, *args), fut)
+        try:
+            return await asyncio.wrap_future(fut)
+        except BaseException:
+            if undo is not None:
+                self._undo(fut, undo)
+            raise
+
+    def _undo(self, fut: concurrent.futures.Future, undo: Callable[[Any], Any]) -> None:
+        """Queues undo(fut's result), run iff fut's command completed without an error: commands run in order, so
+        by then the command has run (or was cancelled before it ran, leaving nothing to undo). A command that
+        failed did nothing of its own to undo (an id refused as in use belongs to another request)."""
+        def run() -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                undo(fut.result())  # its outputs go nowhere: nobody reads this request any more
+        self._post(run)
+
+    def _post(self, fn: Callable[[], Any], fut: concurrent.futures.Future | None = None) -> None:
+        self._commands.append((fn, fut))
         self._wake.set()
-        return await asyncio.wrap_future(fut)
+
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
+        """The queue a new request's outputs go to; InvalidRequestError while another stream has its id (taking
+        the id over would leave that stream without its outputs)."""
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        return queue
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        slo: SLO | str | None = None, arrival: float | None = None,
                        tier: str | None = None, resumed_tokens: int = 0) -> AsyncIterator[RequestOutput]:
         """Adds the request (`Engine.add_request`: raising InvalidRequestError at once if it can't run) and yields
         its outputs; leaving the iteration early aborts the request and frees its KV."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
+        queue = self._open_stream(request_id)
         try:
             if params.structured_output is not None:  # compiling a grammar can take a while: not on the step loop
                 await asyncio.to_thread(self.engine.compile_grammar, params)
-            await self.call(Engine.add_request, request_id, prompt, params, slo, arrival, tier, resumed_tokens)
+            await self._call(Engine.add_request, (request_id, prompt, params, slo, arrival, tier, resumed_tokens),
+                             undo=lambda _: self.engine.abort(request_id))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -102,25 +137,27 @@ class AsyncEngine:
         token yielded as `generate`'s. A transfer that fails raises its error from the first iteration, with the
         reservation given back and `source` closed."""
         request_id = handoff.request_id
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue  # before the import: its first step's outputs may come right after
+        queue = self._open_stream(request_id)  # before the import: its first step's outputs may come right after
         try:
-            receiver = await self.call(Engine.reserve_import, handoff)
+            if handoff.params.structured_output is not None:  # as `generate`: finish_import finds it compiled
+                await asyncio.to_thread(self.engine.compile_grammar, handoff.params)
+            # Engine.abort gives back a reservation and ends an applied import alike.
+            receiver = await self._call(Engine.reserve_import, (handoff,),
+                                        undo=lambda _: self.engine.abort(request_id))
             try:
-                frames = source.frames(receiver.first_block)
+                frames = source.frames(receiver.first_block, receiver.chunk_memory)
                 try:
                     async for frame in frames:
                         receiver.receive(frame)
                 finally:
                     await frames.aclose()
                 await self.call(Engine.finish_import, receiver)
-            except BaseException:
-                self._commands.append((lambda: self.engine.cancel_import(receiver), None))
-                self._wake.set()
-                source.close()
+            except BaseException:  # the reservation, or the request a finish_import queued before applied
+                self._drop(request_id)
                 raise
         except BaseException:
             self._streams.pop(request_id, None)
+            source.close()
             raise
         async for out in self._outputs(request_id, queue, source.applied()):
             yield out
@@ -139,11 +176,18 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self.abort(request_id)
+                self._drop(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.append((lambda: self.engine.abort(request_id), None))
-        self._wake.set()
+        """Ends the request; its stream reads the final output ("abort")."""
+        self._post(lambda: self.engine.abort(request_id))
+
+    def _drop(self, request_id: str) -> None:
+        """Ends a request whose stream is closed. Its final output goes nowhere: a new stream may have its id by
+        the time it would arrive."""
+        def drop() -> None:
+            self.engine.abort(request_id)
+        self._post(drop)
 
     # ---- engine thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -151,6 +195,8 @@ class AsyncEngine:
             outputs: list[RequestOutput] = []
             while self._commands:
                 fn, fut = self._commands.popleft()
+                if fut is not None and not fut.set_running_or_notify_cancel():
+                    continue  # its caller stopped waiting before it ran: it never runs
                 try:
                     result = fn()
                 except Exception as e:

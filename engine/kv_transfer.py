@@ -20,8 +20,11 @@ because the engine produces and checks them itself: an in-process transport need
 
 The bytes are copied as little as the frames allow: a chunk's data is a view of the blocks read for it (no copy of
 its own), and `encode_frame_parts` encodes a chunk without copying its data in, so that a transport writes the data
-from where it lies; a decoded chunk's data is a view of the decoded buffer, which the receiver copies once, into its
-staging payload, and checks there while the bytes are still in the processor's cache.
+from where it lies. On the receiving side a transport that reads a frame's head first (`decode_chunk_head`) reads
+the chunk's data straight into its place in the receiver's staging payload (`KvReceiver.chunk_memory`), where the
+receiver checks it; a chunk decoded whole (`decode_frame`: its data a view of the decoded buffer) is copied there
+once and checked while the bytes are still in the processor's cache. The staging payload goes into the cache's
+blocks in one indexed copy (`write_blocks`), from pinned memory when CUDA is available (one DMA to the device).
 """
 from __future__ import annotations
 
@@ -166,6 +169,53 @@ def encode_frame_parts(frame: KvFrame) -> tuple[bytes, memoryview]:
     return head[:-len(_EMPTY_BIN)] + bin_header(data.nbytes), data
 
 
+# what msgpack puts after a str's or bin's marker byte: the length's bytes (a fixstr's length is in its marker)
+_STR_LENGTH_BYTES = {0xd9: 1, 0xda: 2, 0xdb: 4}
+_BIN_LENGTH_BYTES = {0xc4: 1, 0xc5: 2, 0xc6: 4}
+_UINT_BYTES = {0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8}  # a positive fixint's value is in its marker
+_CHUNK_PREFIX = b"\x95" + _encoder.encode(_tag("kv_chunk"))  # a KvChunk: an array of its tag and four fields
+
+
+def decode_bin_header(buffer: bytes | memoryview) -> tuple[int, int] | None:
+    """The inverse of `bin_header` at the start of `buffer`: (the bin's size, the header's length), or None when
+    `buffer` does not begin with a whole bin header."""
+    width = _BIN_LENGTH_BYTES.get(buffer[0]) if len(buffer) else None
+    if width is None or len(buffer) < 1 + width:
+        return None
+    return int.from_bytes(buffer[1:1 + width], "big"), 1 + width
+
+
+def decode_chunk_head(buffer: bytes | memoryview) -> tuple[KvChunk, int, int] | None:
+    """The inverse of `encode_frame_parts`'s head, for a transport that reads a chunk's data where it wants it:
+    when `buffer` begins with an encoded KvChunk whose head (all but the data) it holds whole, (the chunk with empty
+    data, where its data starts, the data's size); else None (another frame, a head cut short, bytes that are no
+    frame: `decode_frame` of the whole frame says which)."""
+    view = memoryview(buffer).cast("B")
+    if view[:len(_CHUNK_PREFIX)] != _CHUNK_PREFIX:
+        return None
+    pos = len(_CHUNK_PREFIX)
+    try:
+        marker = view[pos]  # the request id, a str
+        if 0xa0 <= marker <= 0xbf:
+            pos += 1 + (marker & 0x1f)
+        else:
+            width = _STR_LENGTH_BYTES[marker]
+            pos += 1 + width + int.from_bytes(view[pos + 1:pos + 1 + width], "big")
+        for _ in ("index", "checksum"):
+            marker = view[pos]
+            pos += 1 if marker < 0x80 else 1 + _UINT_BYTES[marker]
+    except (IndexError, KeyError):
+        return None
+    data = decode_bin_header(view[pos:])
+    if data is None:
+        return None
+    try:  # the head with its data emptied is a whole frame: the decoder checks every field as for any other
+        chunk = _decoder.decode(bytes(view[:pos]) + _EMPTY_BIN)
+    except msgspec.DecodeError:
+        return None
+    return chunk, pos + data[1], data[0]
+
+
 def decode_frame(payload: bytes | memoryview) -> KvFrame:
     """The frame `payload` encodes; KvTransferError when it is none of this version's. A chunk's data is a view of
     `payload`: a transport that reuses its read buffer hands the chunk to `KvReceiver.receive` before it does."""
@@ -220,16 +270,16 @@ def read_blocks(kv_cache: torch.Tensor, block_ids: list[int], out: np.ndarray | 
 
 
 def write_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.Tensor) -> None:
-    """The inverse of `read_blocks`: host bytes into the cache's blocks."""
+    """The inverse of `read_blocks`: host bytes into the cache's blocks, in one indexed copy. On a device the
+    payload crosses whole first (one DMA when it is pinned), a blocking copy: the payload may be reused once this
+    returns. On the CPU through numpy: torch's indexed copy of these byte slices is several times slower."""
     raw = kv_cache.view(torch.uint8)
     blocks = payload.reshape(len(block_ids), *raw[:, :, 0].shape)
     if raw.device.type == "cpu":
-        cache, values = raw.numpy(), blocks.numpy()
-        for i, b in enumerate(block_ids):
-            cache[:, :, b] = values[i]
+        raw.numpy()[:, :, block_ids] = blocks.numpy().transpose(1, 2, 0, *range(3, blocks.dim()))
         return
-    for b, values in zip(block_ids, blocks.to(raw.device)):
-        raw[:, :, b].copy_(values)
+    index = torch.tensor(block_ids, device=raw.device)
+    raw.index_copy_(2, index, blocks.to(raw.device).movedim(0, 2))
 
 
 def stream_blocks(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
@@ -274,8 +324,9 @@ class _BufferPool:
     request's KV goes through them. The smallest kept buffer that fits is taken; past `max_bytes` kept, the
     smallest go."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, pin: bool = False):
         self.max_bytes = max_bytes
+        self.pin = pin  # page-locked buffers where CUDA is, for copies to the device in one DMA
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()  # receivers are made and dropped on engine and transport threads alike
 
@@ -285,7 +336,7 @@ class _BufferPool:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin and torch.cuda.is_available())
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
@@ -295,7 +346,7 @@ class _BufferPool:
                 self._free.pop()
 
 
-_staging = _BufferPool(_STAGING_KEPT_BYTES)
+_staging = _BufferPool(_STAGING_KEPT_BYTES, pin=True)
 _read_buffers = _BufferPool(_READS_KEPT_BYTES)
 
 
@@ -303,7 +354,9 @@ class KvReceiver:
     """One incoming transfer into a decode engine's reserved blocks. `receive` takes the frames in order and checks
     them as they come; the payload waits in host memory until `Engine.finish_import`. It touches no engine state,
     so a transport may feed it off the engine's thread. Its staging buffer goes back to a pool for later transfers
-    when the receiver is dropped: `payload` is valid as long as the receiver is referenced."""
+    when the receiver is dropped: `payload` is valid as long as the receiver is referenced. A transport that reads
+    a chunk's head before its data reads the data into `chunk_memory(size)` and then `receive`s the chunk with that
+    memory as its data: the bytes are then copied once, from the socket, and checked where they lie."""
 
     def __init__(self, handoff: Handoff, seq_id: int, block_ids: list[int], first_block: int):
         self.handoff, self.seq_id = handoff, seq_id
@@ -316,6 +369,7 @@ class KvReceiver:
             weakref.finalize(self, _staging.give, staging).atexit = False
         self._begun = self.complete = False
         self._received = self._num_chunks = self._next_index = self._crc = 0
+        self._landing: memoryview | None = None  # the last `chunk_memory`, until the next chunk is received
 
     @property
     def request_id(self) -> str:
@@ -339,6 +393,21 @@ class KvReceiver:
         else:
             raise KvTransferError(f"request {self.request_id!r}: unexpected frame {type(frame).__name__}")
 
+    def chunk_memory(self, nbytes: int) -> memoryview:
+        """The staging memory the next chunk's `nbytes` bytes go to, for a transport to read them into; it then
+        `receive`s the chunk with this memory (the object returned) as its data, which is checked in place, not
+        copied. Bytes that fail the chunk's checks, or are never received, count for nothing. KvTransferError when
+        no chunk is due or they would run past the payload KvBegin announced."""
+        if self.complete or not self._begun:
+            raise KvTransferError(f"request {self.request_id!r}: no chunk is due "
+                                  f"({'the transfer ended' if self.complete else 'before KvBegin'})")
+        end = self._received + nbytes
+        if nbytes < 0 or end > self.total_bytes:
+            raise KvTransferError(f"request {self.request_id!r}: a chunk of {nbytes} bytes runs past the announced "
+                                  f"{self.total_bytes} bytes ({self._received} received)")
+        self._landing = memoryview(self.payload.numpy()[self._received:end])
+        return self._landing
+
     def _begin(self, begin: KvBegin) -> None:
         if self._begun:
             raise KvTransferError(f"request {self.request_id!r}: a second KvBegin")
@@ -360,7 +429,9 @@ class KvReceiver:
                                   f"{self.total_bytes} bytes in {self._num_chunks} chunks")
         # checked where it lands: the staging bytes count only once the checksum holds, and are still cached
         staged = self.payload.numpy()[self._received:end]
-        staged[:] = np.frombuffer(data, dtype=np.uint8)
+        landed, self._landing = data is self._landing, None
+        if not landed:  # else read there by the transport: `chunk_memory`
+            staged[:] = np.frombuffer(data, dtype=np.uint8)
         if chunk_checksum(staged) != chunk.checksum:
             raise KvTransferError(f"request {self.request_id!r}: chunk {index} fails its checksum")
         self._received, self._crc = end, _chain(self._crc, chunk.checksum)

@@ -3,14 +3,18 @@ the hand-off frames (encoded to bytes and back), and the decode engine continues
 engine does. A transfer that is corrupt, cut short or has nowhere to go is refused whole, and no block leaks."""
 from __future__ import annotations
 
+import zlib
+
 import msgspec
 import numpy as np
 import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.kv_transfer import KvChunk, KvEnd, KvImportRefused, KvLayout, KvTransferError, chunk_checksum, \
-    decode_frame, encode_frame, encode_frame_parts, read_blocks, stream_blocks
+from engine.kv_transfer import Handoff, KvBegin, KvChunk, KvEnd, KvImportRefused, KvLayout, KvReceiver, \
+    KvTransferError, chunk_checksum, decode_chunk_head, decode_frame, encode_frame, encode_frame_parts, read_blocks, \
+    stream_blocks, write_blocks
+from scheduler.slo import SLO
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # a small step budget: a 45-token prompt takes seven steps
@@ -330,3 +334,127 @@ def test_a_decode_engine_runs_a_whole_request_as_a_colocated_one(llama_tiny):
     got = decode.generate(prompts, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in colocated(llama_tiny[0], prompts, GREEDY, **ENGINE)]
     assert any(s.num_prefill_tokens for s in decode.engine.step_stats)
+
+
+def staged(receiver: KvReceiver, frames, damage=lambda index, memory: None) -> None:
+    """The frames fed as a transport that reads a chunk's head first does: each chunk's data put into the receiver's
+    `chunk_memory` (`damage(index, memory)` after, as a faulty link would), then the chunk received with it."""
+    for frame in frames:
+        if isinstance(frame, KvChunk):
+            memory = receiver.chunk_memory(len(frame.data))
+            memory[:] = frame.data
+            damage(frame.index, memory)
+            frame = msgspec.structs.replace(frame, data=memory)
+        receiver.receive(frame)
+
+
+def prefilled(llama_tiny, pair, request_id: str, length: int, seed: int):
+    prompt = random_prompts(llama_tiny[1].config.vocab_size, [length], seed=seed)[0]
+    pair.prefill.add_request(request_id, prompt, GREEDY)
+    run(pair.prefill)
+    return pair.prefill.handoff(request_id)
+
+
+def test_chunks_read_into_staging_land_in_their_blocks(llama_tiny, pair):
+    """Chunks not aligned to blocks, their data put where `chunk_memory` says: the staging payload is the sent
+    bytes, and `finish_import` puts them in the reserved blocks, the prefix-cached leading ones left as they were."""
+    handoff = prefilled(llama_tiny, pair, "staged", 45, seed=7)
+    receiver = pair.decode.reserve_import(handoff)
+    frames = list(pair.prefill.export_kv("staged", receiver.first_block, max_chunk_bytes=300))
+    sent = b"".join(bytes(f.data) for f in frames if isinstance(f, KvChunk))
+    assert len(frames) > 5 and len(sent) == receiver.total_bytes
+    staged(receiver, frames)
+    assert receiver.complete and receiver.payload.numpy().tobytes() == sent
+    pair.decode.finish_import(receiver)
+    landed = read_blocks(pair.decode.executor.kv_cache, receiver.block_ids[receiver.first_block:handoff.num_blocks])
+    assert landed.tobytes() == sent
+    pair.prefill.release_handoff("staged")
+    run(pair.decode)
+
+
+def test_a_corrupted_chunk_read_into_staging_is_refused_and_never_applied(llama_tiny, pair):
+    handoff = prefilled(llama_tiny, pair, "flipped", 40, seed=8)
+    decode_free, cache = pair.decode.blocks.num_free_blocks(), pair.decode.executor.kv_cache.clone()
+    receiver = pair.decode.reserve_import(handoff)
+    frames = list(pair.prefill.export_kv("flipped", receiver.first_block, max_chunk_bytes=256))
+
+    def flip(index: int, memory: memoryview) -> None:
+        if index == 1:
+            memory[5] ^= 0x20
+
+    with pytest.raises(KvTransferError, match="chunk 1 fails its checksum"):
+        staged(receiver, frames, flip)
+    assert not receiver.complete
+    with pytest.raises(KvTransferError, match="not complete"):
+        pair.decode.finish_import(receiver)
+    pair.decode.cancel_import(receiver)
+    assert torch.equal(pair.decode.executor.kv_cache.view(torch.uint8), cache.view(torch.uint8))  # NaNs too
+    assert pair.decode.blocks.num_free_blocks() == decode_free and not pair.decode.imports
+    pair.prefill.release_handoff("flipped")
+
+
+def zlib_chain(checksums: list[int]) -> int:
+    """KvEnd's checksum of chunks with these checksums: the CRC-32 of them, in order."""
+    return zlib.crc32(b"".join(c.to_bytes(4, "big") for c in checksums))
+
+
+def test_chunk_memory_is_given_only_for_a_due_chunk_within_the_announced_payload():
+    layout = KvLayout(1, 1, 8, 4, "float32")  # 256-byte blocks
+    handoff = Handoff("m", [0] * 12, 0, SamplingParams(), SLO(1.0, 0.1), "t", 0.0, 0.0, None, 0, 0, layout, 3)
+    receiver = KvReceiver(handoff, 0, [4, 1, 6], 1)
+    with pytest.raises(KvTransferError, match="no chunk is due .before KvBegin"):
+        receiver.chunk_memory(16)
+    receiver.receive(KvBegin("m", layout, 1, 3, 512, 2))
+    with pytest.raises(KvTransferError, match="a chunk of 513 bytes runs past the announced 512 bytes"):
+        receiver.chunk_memory(513)
+    data = np.arange(512, dtype=np.uint16).astype(np.uint8)
+    staged(receiver, [KvChunk("m", 0, chunk_checksum(data[:300]), memoryview(data[:300]))])
+    with pytest.raises(KvTransferError, match="runs past the announced 512 bytes .300 received"):
+        receiver.chunk_memory(213)
+    memory = receiver.chunk_memory(212)
+    assert np.shares_memory(np.frombuffer(memory, dtype=np.uint8), receiver.payload.numpy())
+    memory[:] = data[300:]
+    receiver.receive(KvChunk("m", 1, chunk_checksum(data[300:]), memory))
+    receiver.receive(KvEnd("m", 2, zlib_chain([chunk_checksum(data[:300]), chunk_checksum(data[300:])])))
+    assert receiver.complete and receiver.payload.numpy().tobytes() == data.tobytes()
+    with pytest.raises(KvTransferError, match="no chunk is due .the transfer ended"):
+        receiver.chunk_memory(1)
+
+
+def test_a_chunk_head_decodes_from_the_leading_bytes_alone():
+    """`decode_chunk_head` of a chunk's bytes from its start up to any point in its data: the chunk's fields,
+    where its data starts and its size, at every width of msgpack's str, int and bin headers; None for a head cut
+    short, another frame, or bytes that are none."""
+    data = bytes(range(256)) * 300
+    for request_id in ("r", "x" * 40, "y" * 300):
+        for index, checksum in ((0, 0), (127, 128), (70_000, 2**32 - 1), (2**33, 2**16)):
+            for size in (0, 255, 256, 65_535, 65_536, 70_000):
+                head, body = encode_frame_parts(KvChunk(request_id, index, checksum, memoryview(data[:size])))
+                chunk, start, nbytes = decode_chunk_head(head + bytes(body[:9]))
+                assert (chunk.request_id, chunk.index, chunk.checksum, bytes(chunk.data)) == \
+                    (request_id, index, checksum, b"")
+                assert (start, nbytes) == (len(head), size)
+            assert all(decode_chunk_head(head[:cut]) is None for cut in range(len(head)))
+    layout = KvLayout(1, 1, 8, 4, "float32")
+    for other in (KvBegin("r", layout, 0, 1, 128, 1), KvEnd("r", 1, 5)):
+        assert decode_chunk_head(encode_frame(other)) is None
+    assert decode_chunk_head(b"") is None and decode_chunk_head(b"\x95\x00garbage") is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_write_blocks_puts_each_block_in_its_place_and_no_other(device):
+    """One indexed copy of host bytes into scattered blocks (pinned host bytes, on CUDA), the inverse of
+    `read_blocks`; the blocks not named keep their bytes."""
+    cache = torch.randn(3, 2, 10, 4, 2, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    cache = cache.to(device)
+    before, ids = cache.clone(), [7, 2, 9, 0]
+    block_bytes = KvLayout.of_cache(cache, 4).block_bytes
+    payload = torch.randint(0, 256, (len(ids) * block_bytes,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(3))
+    if device == "cuda":
+        payload = payload.pin_memory()
+    write_blocks(cache, ids, payload)
+    assert np.array_equal(read_blocks(cache, ids), payload.numpy())
+    others = [b for b in range(10) if b not in ids]
+    assert torch.equal(cache[:, :, others], before[:, :, others])

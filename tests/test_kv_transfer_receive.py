@@ -1,0 +1,230 @@
+"""The decode side's KV pull over a real socket (cluster/protocol.py `PullReader`): a KvData frame's head is read
+first and its chunk's data straight into the receiver's staging, where it is checked; the bytes that land are the
+bytes sent, however the stream is cut into reads; a corrupted chunk is refused; a stream that ends mid-frame fails
+with a clear error, and a decode engine's pull that fails so gives its reservation back."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+
+from cluster import protocol as p
+from cluster.worker import _PeerKv
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.kv_transfer import Handoff, KvChunk, KvLayout, KvReceiver, KvTransferError, decode_frame, read_blocks, \
+    stream_blocks
+from scheduler.slo import SLO
+
+BLOCK_SIZE = 4
+CACHE = torch.randn(2, 2, 24, BLOCK_SIZE, 2, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+BLOCKS = [5, 0, 19, 3, 11, 7, 22, 14, 1, 9]  # 2 KiB blocks, scattered
+WAIT_S = 30.0
+
+
+class Spy(KvReceiver):
+    """A receiver that notes, of each chunk it receives, whether its data is memory it gave out (`chunk_memory`)."""
+
+    def __init__(self, request_id: str):
+        layout = KvLayout.of_cache(CACHE, BLOCK_SIZE)
+        handoff = Handoff(request_id, [0] * (len(BLOCKS) * BLOCK_SIZE), 0, SamplingParams(), SLO(1.0, 0.1), "t",
+                          0.0, 0.0, None, 0, 0, layout, len(BLOCKS))
+        super().__init__(handoff, 0, BLOCKS, 0)
+        self.given: list[memoryview] = []
+        self.in_place: list[bool] = []
+
+    def chunk_memory(self, nbytes: int) -> memoryview:
+        self.given.append(super().chunk_memory(nbytes))
+        return self.given[-1]
+
+    def receive(self, frame) -> None:
+        if isinstance(frame, KvChunk):
+            self.in_place.append(any(frame.data is memory for memory in self.given))
+        super().receive(frame)
+
+
+def wire(request_id: str, chunk_bytes: int, flip_chunk: int | None = None) -> tuple[bytes, list[int], list[int]]:
+    """The KvData frames of the blocks' transfer as one byte string, where each chunk's data starts in it and where
+    each frame ends; the data of chunk `flip_chunk` with a byte flipped (its checksum left as it was)."""
+    out, starts, ends = bytearray(), [], []
+    layout = KvLayout.of_cache(CACHE, BLOCK_SIZE)
+    for frame in stream_blocks(request_id, CACHE, layout, BLOCKS, 0, chunk_bytes):
+        head, data = p.encode_kv_data(frame)
+        out += head
+        if isinstance(frame, KvChunk):
+            starts.append(len(out))
+        out += data
+        ends.append(len(out))
+    if flip_chunk is not None:
+        out[starts[flip_chunk] + 3] ^= 0x10
+    return bytes(out), starts, ends
+
+
+async def serve(data: bytes, pieces_seed: int = 0):
+    """A listener that writes `data` to whoever connects, in pieces of random sizes (frames cut anywhere), then
+    closes; its port."""
+    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        rng, at = random.Random(pieces_seed), 0
+        while at < len(data):
+            size = rng.choice((1, 3, 40, 700, 5000, 20_000))
+            writer.write(data[at:at + size])
+            at += size
+            await writer.drain()
+            if rng.random() < 0.3:
+                await asyncio.sleep(0)  # the reader takes what came so far
+        writer.close()
+
+    server = await asyncio.start_server(send, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def pull(receiver: KvReceiver, data: bytes, pieces_seed: int = 0) -> None:
+    """`data` read by a PullReader, its frames fed to `receiver` until the transfer is complete."""
+    server, port = await serve(data, pieces_seed)
+    try:
+        _, reader = await asyncio.get_running_loop().create_connection(p.PullReader, "127.0.0.1", port)
+        try:
+            while not receiver.complete:
+                frame = await reader.read_message(WAIT_S, receiver.chunk_memory)
+                if frame is None:
+                    raise ConnectionError("the peer closed the connection mid-transfer")
+                receiver.receive(frame)
+        finally:
+            reader.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("chunk_bytes", [100, 1000, 4096])
+@pytest.mark.parametrize("pieces_seed", [0, 1])
+def test_each_chunk_is_read_into_its_place_in_staging(chunk_bytes, pieces_seed):
+    """Chunks smaller than a head's read, not aligned to blocks, and of whole blocks: every chunk's data is read
+    into the memory the receiver gave out for it, and the payload is the blocks sent."""
+    receiver = Spy("r")
+    data, starts, _ = wire("r", chunk_bytes)
+    asyncio.run(pull(receiver, data, pieces_seed))
+    assert receiver.complete and len(receiver.in_place) == len(starts) > 3 and all(receiver.in_place)
+    assert receiver.payload.numpy().tobytes() == read_blocks(CACHE, BLOCKS).tobytes()
+
+
+def test_a_chunk_whose_head_is_longer_than_the_first_read_is_decoded_whole():
+    """A request id longer than a head's read: the frame is read whole and its chunk copied into staging."""
+    request_id = "long-" + "x" * 600
+    receiver = Spy(request_id)
+    data, starts, _ = wire(request_id, 1000)
+    asyncio.run(pull(receiver, data))
+    assert receiver.complete and len(receiver.in_place) == len(starts) and not any(receiver.in_place)
+    assert receiver.payload.numpy().tobytes() == read_blocks(CACHE, BLOCKS).tobytes()
+
+
+def test_a_corrupted_chunk_read_into_staging_is_refused():
+    receiver = Spy("r")
+    data, _, _ = wire("r", 1000, flip_chunk=2)
+    with pytest.raises(KvTransferError, match="chunk 2 fails its checksum"):
+        asyncio.run(pull(receiver, data))
+    assert not receiver.complete and receiver.in_place == [True] * 3
+
+
+@pytest.mark.parametrize("cut, error, message", [
+    (lambda starts, ends: starts[2] + 500, p.ProtocolError, "stream ended inside a frame of"),  # in a chunk's data
+    (lambda starts, ends: starts[2] - 10, p.ProtocolError, "stream ended inside a frame of"),  # in a chunk's head
+    (lambda starts, ends: 2, p.ProtocolError, "inside a frame header .2 of 4 bytes"),
+])
+def test_a_stream_that_ends_early_fails_with_what_went_wrong(cut, error, message):
+    receiver = Spy("r")
+    data, starts, ends = wire("r", 1000)
+    with pytest.raises(error, match=message):
+        asyncio.run(pull(receiver, data[:cut(starts, ends)]))
+    assert not receiver.complete
+
+
+def test_a_pull_cut_mid_chunk_gives_the_reservation_back(llama_tiny):
+    """A decode engine pulls through `_PeerKv` from a KV listener that stops mid-chunk: the import fails with the
+    protocol's error, nothing is applied, and the reserved blocks are free again."""
+    config = dict(num_kv_blocks=48, max_num_batched_tokens=64, batch_policy="fcfs", block_size=8)
+    prefill = LLM(llama_tiny[0], role="prefill", **config).engine
+    decode = LLM(llama_tiny[0], role="decode", **config).engine
+    prefill.add_request("cut", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4))
+    while prefill.has_unfinished():
+        prefill.step()
+    handoff = prefill.handoff("cut")
+    free, cache = decode.blocks.num_free_blocks(), decode.executor.kv_cache.clone()
+
+    async def listener(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(p.encode_frame(p.Hello(p.PROTOCOL_VERSION, "prefill-0", 1, 0.0, 48, 8, 4096, 256, False,
+                                            "model", b"challenge", "prefill", 0)))
+        assert isinstance(await p.read_message(reader), p.Auth)
+        pulled = await p.read_message(reader)
+        sent, cut = bytearray(), None
+        for frame in prefill.export_kv("cut", pulled.first_block, 1000):
+            head, data = p.encode_kv_data(frame)
+            sent += head
+            if cut is None and isinstance(frame, KvChunk):
+                cut = len(sent) + len(data) // 2  # inside the first chunk's data
+            sent += data
+        writer.write(bytes(sent[:cut]))
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(listener, "127.0.0.1", 0)
+        engine = AsyncEngine(decode)
+        await engine.start()
+        try:
+            source = _PeerKv("127.0.0.1", server.sockets[0].getsockname()[1], "token", "cut")
+            with pytest.raises(p.ProtocolError, match="stream ended inside a frame"):
+                async for _ in engine.generate_imported(handoff, source):
+                    pass
+            deadline = time.monotonic() + WAIT_S
+            while decode.imports or decode.blocks.num_free_blocks() != free:  # given back on the engine thread
+                assert time.monotonic() < deadline, (decode.imports, decode.blocks.num_free_blocks(), free)
+                await asyncio.sleep(0.01)
+        finally:
+            await engine.stop()
+            server.close()
+
+    asyncio.run(scenario())
+    assert "cut" not in decode.requests
+    assert torch.equal(decode.executor.kv_cache.view(torch.uint8), cache.view(torch.uint8))
+    prefill.release_handoff("cut")
+
+
+def test_a_message_read_after_a_transfer_is_decoded_whole_and_a_clean_end_is_none():
+    """Other messages than KvData come as they are, with or without `chunk_memory`; the peer's end between frames
+    is None."""
+    receiver = Spy("r")
+    data, _, _ = wire("r", 1000)
+    refused = p.KvRefused("r", "x" * 2000)  # longer than a head's read
+
+    async def scenario():
+        server, port = await serve(data + p.encode_frame(refused) + p.encode_frame(p.KvDone("r")))
+        _, reader = await asyncio.get_running_loop().create_connection(p.PullReader, "127.0.0.1", port)
+        while not receiver.complete:
+            receiver.receive(await reader.read_message(WAIT_S, receiver.chunk_memory))
+        got = [await reader.read_message(WAIT_S, receiver.chunk_memory), await reader.read_message(WAIT_S),
+               await reader.read_message(WAIT_S)]
+        reader.close()
+        server.close()
+        return got
+
+    assert asyncio.run(scenario()) == [refused, p.KvDone("r"), None]
+
+
+def test_a_kv_data_chunk_head_is_found_only_when_it_adds_up_to_the_frame():
+    """`decode_kv_chunk_head` of a KvData frame's first bytes: the chunk and where its data starts in the payload;
+    None for other frames and for a frame length that does not match the head's."""
+    data, _, _ = wire("r", 1000)
+    size = p.HEADER.unpack_from(data, 0)[0]
+    begin = data[p.HEADER.size:p.HEADER.size + size]
+    assert p.decode_kv_chunk_head(begin, size) is None  # KvBegin
+    chunk_frame = data[p.HEADER.size + size:]
+    size = p.HEADER.unpack_from(chunk_frame, 0)[0]
+    payload = chunk_frame[p.HEADER.size:p.HEADER.size + size]
+    chunk, start = p.decode_kv_chunk_head(payload[:200], size)
+    assert (chunk.request_id, chunk.index, size - start) == ("r", 0, 1000)
+    assert bytes(decode_frame(p.decode_payload(payload).frame).data) == payload[start:]
+    assert p.decode_kv_chunk_head(payload[:200], size + 1) is None
+    assert p.decode_kv_chunk_head(p.encode_frame(p.KvDone("r"))[p.HEADER.size:], 10) is None
