@@ -14,6 +14,10 @@ Conditions, in this order; the first that fails names the rejection:
 - prefill_continuity: the chunk the instance can afford in the worst coming iteration (every resident decoding,
   each grown by the iterations r's prefill takes, r's prompt already in the cache) still finishes r's prefill by its
   first-token deadline.
+- queue_behind: every queued prefill that r goes before (its next token due after r's first) still emits that token
+  by its deadline with r's prompt work ahead of it, at the chunk the instance affords now. Without it a request
+  queued on an instance of a tighter tier (promoted) is pushed back by every tighter request placed after it, and
+  its first token comes seconds after the router predicted.
 
 A prefill instance of a disaggregated fleet (its residents are prompts, each leaving at its first token for a decode
 instance) is tested by `fits_prefill` instead: its whole queue of prompts and r's, at whole chunks, and the transfer of
@@ -28,6 +32,7 @@ chunk searches; `check` counts one afresh.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from enum import Enum
 
@@ -43,6 +48,7 @@ class Rejection(str, Enum):
     TPOT = "tpot"
     KV_CAPACITY = "kv_capacity"
     PREFILL_CONTINUITY = "prefill_continuity"
+    QUEUE_BEHIND = "queue_behind"
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,6 +111,8 @@ class AttainabilityChecker:
             reason = Rejection.KV_CAPACITY
         elif worst_end > first_deadline:
             reason = Rejection.PREFILL_CONTINUITY
+        elif not self._behind_on_time(summary, budget_s, start, request, work):
+            reason = Rejection.QUEUE_BEHIND
         else:
             reason = None
         return Attainability(reason is None, reason, first, second, chunk, iterations, steady_s, peak_kv,
@@ -117,7 +125,7 @@ class AttainabilityChecker:
         due `early_s` before their deadlines (the queue ahead of r is still the one its deadline puts it behind).
         Order: first token (no latency prediction when r's prefill spans whole chunks), the KV as r's first token
         is out (a floor of the peak), continuity (what refuses most instances that could start r's prefill in
-        time), the steady state, the second token."""
+        time), the steady state, the second token, the prefills queued behind r."""
         slo = request.slo
         budget_s = (slo.tpot_ms if slo.tpot_ms < tpot_ms else tpot_ms) / 1000.0
         first_deadline = request.first_token_due
@@ -134,8 +142,10 @@ class AttainabilityChecker:
         if not self._steady_fits(summary, iterations + self._remaining(request), steady_kv, kv_capacity_tokens,
                                  budget_s):
             return False
-        return not self._second_token(summary, request, first, iterations, num_ahead, work_ahead) \
-            > planned_first + request.tpot_s
+        second = self._second_token(summary, request, first, iterations, num_ahead, work_ahead)
+        if second > planned_first + request.tpot_s:
+            return False
+        return self._behind_on_time(summary, budget_s, start, request, work)
 
     def first_token_time(self, summary: ResidentSummary, iteration_end: float, tpot_ms: float,
                          request: RequestSnapshot, now: float) -> float:
@@ -191,6 +201,21 @@ class AttainabilityChecker:
         kv = summary.kv_decoding + num_decoding * iterations + work_ahead + request.num_prompt_tokens \
             + request.num_output_tokens
         return first + self.model.predict(0, num_decoding + num_ahead + 1, kv)
+
+    def _behind_on_time(self, summary: ResidentSummary, budget_s: float, start: float, request: RequestSnapshot,
+                        work: int) -> bool:
+        """Whether each queued prefill due after r's first token still emits its next token by its deadline, `work`
+        (r's prompt and the prefills before it) going first, at whole chunks of what the decodes leave now."""
+        keys, works = summary.queued_prefills()
+        n = bisect_right(keys, request.first_token_due)
+        if n == len(keys):
+            return True
+        chunk, chunk_s = summary.decode_chunk(self.model, budget_s, self.max_prefill_chunk)
+        for i in range(n, len(keys)):
+            work += works[i]
+            if start + -(-work // chunk) * chunk_s > keys[i]:
+                return False
+        return True
 
     def _worst_prefill(self, summary: ResidentSummary, budget_s: float, start: float, request: RequestSnapshot,
                        chunk: int, work: int, iterations: int) -> tuple[int, float]:

@@ -92,6 +92,18 @@ def test_prefills_queued_ahead_delay_the_first_token():
     assert result.ok
 
 
+def test_rejects_pushing_a_queued_prefill_past_its_deadline():
+    """r's first token is due before a queued prompt's, so r goes first: it is refused where that makes the queued one
+    late (a request promoted onto an instance of a tighter tier is otherwise pushed back by every tighter request)."""
+    tight = SLO(ttft_ms=200, tpot_ms=50)
+    for due_ms, ok in ((380, False), (410, True)):
+        queued = RequestSnapshot(arrival=NOW, num_prompt_tokens=30000, max_tokens=1000, slo=SLO(due_ms, 50), tier="t")
+        # 30000 tokens alone take 7 iterations of 4415 (ends at +350 ms); with r's 2000 first, 8 (+400 ms)
+        result = checker().check(instance(BASE + [queued]), candidate(slo=tight), NOW)
+        assert result.first_token_time == pytest.approx(NOW + 0.0499935 * 2000 / 4415, rel=0.2)
+        assert result.ok is ok and result.reason is (None if ok else Rejection.QUEUE_BEHIND)
+
+
 # A slow decode (20 ms step + 1 ms per sequence) on an idle instance held to 10 ms
 SLOW_DECODE = Linear(0.020, 1e-5, 1e-3, 0.0)
 IDLE_TPOT10 = InstanceState(residents=(), kv_capacity_tokens=100_000, iteration_end=NOW, tpot_ms=10)
@@ -248,6 +260,7 @@ def reference_check(checker: AttainabilityChecker, instance: InstanceState, requ
     first_deadline = request.arrival + slo.ttft_ms / 1000.0
     num_decoding = kv_decoding = 0
     num_ahead = work_ahead = 0
+    behind: list[tuple[float, int]] = []  # queued prefills due after r's first token: (deadline, work)
     kv_lengths: list[int] = []
     remaining: list[int] = []
     for s in instance.residents:
@@ -258,9 +271,12 @@ def reference_check(checker: AttainabilityChecker, instance: InstanceState, requ
             kv_decoding += tokens
         else:
             s_slo = s.slo
-            if s.arrival + (s_slo.ttft_ms + out * s_slo.tpot_ms) / 1000.0 <= first_deadline:
+            due = s.arrival + (s_slo.ttft_ms + out * s_slo.tpot_ms) / 1000.0
+            if due <= first_deadline:
                 num_ahead += 1
                 work_ahead += tokens - s.num_computed_tokens
+            else:
+                behind.append((due, tokens - s.num_computed_tokens))
         tier = s.tier
         e = expected.get(tier)
         if e is None:
@@ -303,10 +319,22 @@ def reference_check(checker: AttainabilityChecker, instance: InstanceState, requ
         reason = Rejection.KV_CAPACITY
     elif worst_end > first_deadline:
         reason = Rejection.PREFILL_CONTINUITY
+    elif any(start + -(-(work + w) // chunk) * model.predict(chunk, num_decoding, kv_decoding + chunk) > due
+             for due, w in _running_sums(sorted(behind))):
+        reason = Rejection.QUEUE_BEHIND
     else:
         reason = None
     return Attainability(reason is None, reason, first, second, chunk, iterations, steady_s, peak_kv, peak_batch,
                          worst_chunk, worst_end)
+
+
+def _running_sums(behind: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """(deadline, work of it and of those before it) along a queue in deadline order."""
+    out, total = [], 0
+    for due, w in behind:
+        total += w
+        out.append((due, total))
+    return out
 
 
 def _peak_kv(kv_lengths: list[int], remaining: list[int]) -> tuple[int, int]:
