@@ -38,6 +38,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Awaitable
 
 import msgspec
 
@@ -288,29 +289,19 @@ class Worker:
     # ---- requests -------------------------------------------------------------------------------------------
     async def _serve_request(self, conn: _Connection, msg: p.Submit) -> None:
         rid = msg.request_id
-        try:
+
+        async def run() -> None:
             params = msg.sampling.params()
             arrival = self.clock() - max(0.0, msg.queued_s)
             await self._stream(conn, rid, self.async_engine.generate(
                 rid, msg.prompt_token_ids, params, msg.slo, arrival, msg.tier, msg.resumed_tokens), 0)
-        except (InvalidRequestError, ValueError) as err:
-            conn.add(p.Error(rid, "invalid", str(err)))
-            self._schedule_flush()
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # the request ends with an answer, whatever went wrong
-            log.exception("request %s failed", rid)
-            conn.add(p.Error(rid, "engine", f"{type(err).__name__}: {err}"))
-            self._schedule_flush()
-        finally:
-            conn.requests.pop(rid, None)
-            if self.draining:
-                self._maybe_drained()
+        await self._serve(conn, rid, run(), "request")
 
     async def _serve_import(self, conn: _Connection, msg: p.Import) -> None:
         """A decode engine's request: its KV pulled from the prefill worker, then its outputs after the first."""
         rid = msg.request_id
-        try:
+
+        async def run() -> None:
             try:
                 handoff = kv_transfer.decode_frame(msg.handoff)
             except KvTransferError as err:
@@ -323,20 +314,27 @@ class Worker:
                 first_scheduled_time=None if handoff.first_scheduled_time is None
                 else handoff.first_scheduled_time + shift)
             source = _PeerKv(msg.kv_host, msg.kv_port, self._token, rid)
-            await self._stream(conn, rid, self.async_engine.generate_imported(handoff, source), 1)
-        except KvImportRefused as err:
-            conn.add(p.Error(rid, "refused", str(err)))
-        except (KvTransferError, p.ProtocolError, ConnectionError, OSError, asyncio.TimeoutError) as err:
-            reason = str(err) or type(err).__name__
-            log.warning("KV pull of %s from %s:%d failed, connection closed: %s", rid, msg.kv_host, msg.kv_port,
-                        reason)
-            conn.add(p.Error(rid, "gone" if isinstance(err, HandoffGone) else "transfer", reason))
+            try:
+                await self._stream(conn, rid, self.async_engine.generate_imported(handoff, source), 1)
+            except KvImportRefused as err:
+                conn.add(p.Error(rid, "refused", str(err)))
+            except (KvTransferError, p.ProtocolError, ConnectionError, OSError, asyncio.TimeoutError) as err:
+                reason = str(err) or type(err).__name__
+                log.warning("KV pull of %s from %s:%d failed, connection closed: %s", rid, msg.kv_host,
+                            msg.kv_port, reason)
+                conn.add(p.Error(rid, "gone" if isinstance(err, HandoffGone) else "transfer", reason))
+        await self._serve(conn, rid, run(), "import")
+
+    async def _serve(self, conn: _Connection, rid: str, work: Awaitable[None], what: str) -> None:
+        """Runs a request's `work`; whatever goes wrong, the request ends with an answer and leaves the connection."""
+        try:
+            await work
         except (InvalidRequestError, ValueError) as err:
             conn.add(p.Error(rid, "invalid", str(err)))
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            log.exception("import of %s failed", rid)
+            log.exception("%s %s failed", what, rid)
             conn.add(p.Error(rid, "engine", f"{type(err).__name__}: {err}"))
         finally:
             conn.requests.pop(rid, None)
