@@ -449,6 +449,14 @@ class CalibrationJob:
         return out
 
 
+def _map_largest_first(pool, jobs, progress) -> list:
+    """`_map` of jobs with a fleet size, the largest fleets started first (they take longest, so the pool stays
+    busy to the end); results in job order."""
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
+    ran = _map(pool, [jobs[i] for i in order], progress)
+    return [ran[order.index(i)] for i in range(len(jobs))]
+
+
 def _live_latencies(w, token_times: list[list[float] | None], idx: np.ndarray) -> dict:
     """TTFT and mean TPOT (seconds) of the requests `idx` of a live run, every one of which finished."""
     from cluster.sim.calibration import live_latencies
@@ -857,10 +865,7 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple
             searches = [job.run(pool.map, max(1, processes // len(job.seeds)))]
             progress.update()
         else:
-            # largest fleets first: they take longest, so the pool stays busy to the end
-            order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
-            ran = _map(pool, [jobs[i] for i in order], progress)
-            searches = [ran[order.index(i)] for i in range(len(jobs))]
+            searches = _map_largest_first(pool, jobs, progress)
     print(f"\nGoodput per instance by fleet size, {setup.workload.name} (req/s per instance; window "
           f"{setup.window_s:.0f} s after {setup.warmup_s:.0f} s; seeds per probe: {plan.scan_instance_runs} "
           f"instance-runs / instances; searched to {plan.scan_rel_tol:.0%}):")
@@ -889,10 +894,8 @@ def run_pd(pool, plan: Plan, setup: Setup) -> dict:
             for policy, splits in [*((p, pd_splits(n)) for p in PD_POLICIES),
                                    ("polyserve", [0]), ("mixed-deadline-admission", [0])]
             for prefill in splits]
-    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)  # largest first: the pool stays busy
     with _progress(len(jobs), "PD goodput") as progress:
-        ran = _map(pool, [jobs[i] for i in order], progress)
-    searches = [ran[order.index(i)] for i in range(len(jobs))]
+        searches = _map_largest_first(pool, jobs, progress)
     print(f"\nPD disaggregation, {setup.workload.name}, KV over {PD_LINK} (headline goodput, req/s: every tier >= 90 % "
           f"attaining; window {setup.window_s:.0f} s after {setup.warmup_s:.0f} s; the best static split of "
           f"{', '.join(f'{x:g}' for x in PD_PREFILL_SHARES)} of the fleet prefilling):")

@@ -12,7 +12,7 @@ from engine.executor import StepBatch
 from engine.loader import load_model
 from engine.model_config import DTYPES, ModelConfig
 from engine.sampler import SamplerOutput, sample, span_logprobs
-from kernels import get_ops
+from kernels import get_ops, leading_decodes
 
 log = logging.getLogger(__name__)
 
@@ -148,14 +148,6 @@ def _install_compile_warning() -> None:
 
     triton.knobs.runtime.jit_post_compile_hook = warn
     _compile_warning_installed = True
-
-
-def leading_decodes(q_lens: torch.Tensor) -> int:
-    """How many sequences at the head of the batch have one query token each: the attention runs them on decode
-    tiles with split-KV and the rest on prefill tiles. The PolyServe policy schedules decodes first; under the
-    others a prefill chunk scheduled before a decode only moves that decode to the prefill tiles."""
-    others = (q_lens != 1).nonzero()
-    return int(others[0]) if len(others) else len(q_lens)
 
 
 def pack_linears_for_onednn(model: torch.nn.Module, batch_hint: int = 16) -> None:

@@ -92,6 +92,7 @@ def pipelining(ttgir: str) -> tuple[list[int], int, int]:
 
 def _production_launches() -> list[tuple[str, callable]]:
     from kernels import activation, attention, kv_store, norm, rotary
+    from kernels.dispatch import leading_decodes
     from kernels.paged_batch import random_paged_batch
 
     # Eager steps choose their split count from the device's multiprocessors: those of an H200.
@@ -102,7 +103,7 @@ def _production_launches() -> list[tuple[str, callable]]:
         hints, with a longest context of `max_seq_len`, which decides whether the decode rows split their keys."""
         batch = random_paged_batch(q_lens, contexts, q_heads, kv_heads, head_dim, 16, dtype, "cpu",
                                    poison_unused=False)
-        num_decodes = next((i for i, q_len in enumerate(q_lens) if q_len != 1), len(q_lens))
+        num_decodes = leading_decodes(torch.tensor(q_lens))
         return label, lambda: attention.paged_attention(*batch.attention_args(), max_query_len=max(q_lens),
                                                         max_seq_len=max_seq_len, num_decodes=num_decodes)
 

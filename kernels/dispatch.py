@@ -45,6 +45,15 @@ TORCH = Ops("torch", torch_native.store_kvcache, torch_native.paged_attention, t
             torch_native.fused_add_rms_norm, torch_native.rotary_embedding, torch_native.silu_and_mul)
 
 
+def leading_decodes(q_lens: torch.Tensor) -> int:
+    """How many sequences at the head of the batch have one query token each: every backend's attention runs them
+    as decode rows (split-KV tiles) and the rest as prefill chunks (its `num_decodes`). The PolyServe policy
+    schedules decodes first; under the others a prefill chunk scheduled before a decode only moves that decode to
+    the prefill path."""
+    others = (q_lens != 1).nonzero()
+    return int(others[0]) if len(others) else len(q_lens)
+
+
 def require_triton() -> None:
     """ImportError naming the installed and the required version where Triton is missing or too old for the
     kernels (checked before they are imported, which would fail on an older Triton with a less helpful error)."""

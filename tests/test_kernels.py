@@ -411,7 +411,7 @@ def test_get_ops_chooses_one_implementation_per_device():
 
 
 def test_leading_decodes_counts_the_single_token_sequences_at_the_head():
-    from engine.model_runner import leading_decodes
+    from kernels import leading_decodes
 
     assert leading_decodes(torch.tensor([1, 1, 7, 1], dtype=torch.int32)) == 2
     assert leading_decodes(torch.tensor([1, 1, 1], dtype=torch.int32)) == 3
