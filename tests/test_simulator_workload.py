@@ -256,3 +256,18 @@ def test_search_widens_its_bracket_by_the_factor_given():
     assert probed[:3] == pytest.approx([10.0, 20.0, 25.0])  # both pass: the best passing rate times 1.25
     with pytest.raises(ValueError, match="widen"):
         search_goodput(attainment, seeds=(1,), low=1.0, high=2.0, rule=EVERY_TIER, widen=1.0)
+
+
+def test_a_tier_is_bounded_class_by_class_of_output_length():
+    """Short outputs may spend more per token (the TTFT spread over fewer tokens): each class is bounded at its own
+    allowance and lengths, and the tier's rate is their harmonic mean, above the bound on the tier's means."""
+    m = LinearModel(a=0.004, b=2e-5, c=5e-5)
+    tiers = TierSet([Tier("a", 20.0, 2000.0)])
+    w = Workload(np.arange(2.0), np.full(2, 500, np.int64), np.array([50, 350], np.int64), np.zeros(2, np.int8), tiers)
+    short, long = (tier_capacity(m, "a", 20.0, 2000.0, 500.0, d, 10**9, 10_000) for d in (50.0, 350.0))
+    assert short.iteration_s > long.iteration_s  # allowances of 59 ms and 25.7 ms per token
+    bound = fluid_bound(m, w, 10**9, 10_000)
+    per_class = 1 / (0.5 / short.requests_per_s + 0.5 / long.requests_per_s)
+    assert bound.rate(1) == pytest.approx(per_class)
+    on_means = tier_capacity(m, "a", 20.0, 2000.0, 500.0, 200.0, 10**9, 10_000)
+    assert bound.tiers[0].batch == on_means.batch and bound.rate(1) > on_means.requests_per_s

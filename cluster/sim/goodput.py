@@ -8,10 +8,14 @@ Refused and unfinished requests count as misses under both.
 Bounds, each an upper bound for its own rule (a figure is compared only with the bound of its rule). One instance
 serving tier k alone at batch B runs iterations of T(B): B decodes, the prefill of the requests that replace the
 finishing ones folded in (B * P_k / D_k prompt tokens per iteration), the KV at its steady state (every resident
-half way through its output). Cumulative deadlines let a request spend (ttft_k + (D_k - 1) * tpot_k) / D_k per
-token on average, so B_k is the batch of the highest capacity B / (D_k * T(B)) among those whose T(B) is within
-that allowance and whose KV fits the pool and the sequence cap. N instances carrying the mix p_k then serve at
-most lambda* = N / sum_k (p_k / capacity_k) requests per second. A rule that lets a share of requests miss is
+half way through its output). Cumulative deadlines let a request of D output tokens spend (ttft_k + (D - 1) *
+tpot_k) / D per token on average, more the shorter its output: so a tier is taken class by class of output length
+(LENGTH_CLASSES equal-count classes, each with its mean lengths and the allowance of its shortest output, the most
+any of its requests may spend), and a class's B is the batch of the highest capacity B / (D * T(B)) among those
+whose T(B) is within its allowance and whose KV fits the pool and the sequence cap. A tier's capacity is the
+harmonic mean of its classes' (each weighted by its share of the tier's requests). N instances carrying the mix p_k
+then serve at most lambda* = N / sum_k (p_k / capacity_k) requests per second. On the tier's mean lengths alone it
+is not a bound: a fleet serves short outputs at the large batches their longer allowance permits. A rule that lets a share of requests miss is
 bounded by the same computation on the requests it must serve: those left after dropping the costliest share
 (instance time of each request at its tier's batch: its decode iterations' share plus its prompt's prefill time),
 per tier for every-tier, from all tiers together for strict.
@@ -19,7 +23,7 @@ per tier for every-tier, from all tiers together for strict.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -47,6 +51,9 @@ class GoodputRule:
 EVERY_TIER = GoodputRule("every-tier", 0.9, per_tier=True)
 STRICT = GoodputRule("strict", 0.99, per_tier=False)
 RULES = {r.name: r for r in (EVERY_TIER, STRICT)}
+# Output-length classes per tier in the bounds: finer classes give a lower (tighter) bound, which has stopped
+# moving by this many on the matrix's workloads (bench/RESULTS.md).
+LENGTH_CLASSES = 40
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,17 +61,20 @@ class TierCapacity:
     tier: str
     mean_prompt: float
     mean_output: float
-    batch: int  # B_k
-    iteration_s: float  # T(B_k)
-    requests_per_s: float  # one instance, this tier alone
+    batch: int  # B at the tier's mean lengths and their allowance
+    iteration_s: float  # T(B) then
+    requests_per_s: float  # one instance, this tier alone: over its output-length classes (`fluid_bound`)
 
 
 def tier_capacity(model: LatencyModel, tier: str, tpot_ms: float, ttft_ms: float, mean_prompt: float,
-                  mean_output: float, kv_capacity_tokens: int, max_batch: int) -> TierCapacity:
-    """B_k, T(B_k) and the per-instance rate of one tier (module docstring)."""
+                  mean_output: float, kv_capacity_tokens: int, max_batch: int,
+                  allowance_output: float | None = None) -> TierCapacity:
+    """B, T(B) and the per-instance rate of requests of these mean lengths (module docstring), their allowance that
+    of an output of `allowance_output` tokens (None: the mean)."""
     if not (mean_prompt > 0 and mean_output >= 1):
         raise ValueError(f"tier {tier}: mean prompt and output must be positive, got {mean_prompt}, {mean_output}")
-    allowance_s = (ttft_ms + (mean_output - 1) * tpot_ms) / mean_output / 1000.0
+    d = mean_output if allowance_output is None else allowance_output
+    allowance_s = (ttft_ms + (d - 1) * tpot_ms) / d / 1000.0
     kv_per_request = mean_prompt + mean_output / 2
 
     def iteration(b: int) -> float:
@@ -122,10 +132,22 @@ def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int
 
 def _capacity(model: LatencyModel, tier, workload: Workload, mask: np.ndarray, kv_capacity_tokens: int,
               max_batch: int) -> TierCapacity:
+    """The tier's figures at its mean lengths, its rate over its output-length classes."""
     if not mask.any():
         return TierCapacity(tier.name, 1.0, 1.0, 0, 0.0, 0.0)
-    return tier_capacity(model, tier.name, tier.tpot_ms, tier.ttft_ms, float(workload.prompt_lens[mask].mean()),
-                         float(workload.output_lens[mask].mean()), kv_capacity_tokens, max_batch)
+    prompts, outputs = workload.prompt_lens[mask], workload.output_lens[mask]
+    at_means = tier_capacity(model, tier.name, tier.tpot_ms, tier.ttft_ms, float(prompts.mean()),
+                             float(outputs.mean()), kv_capacity_tokens, max_batch)
+    order = np.argsort(outputs, kind="stable")
+    seconds_per_request = 0.0  # of one instance, over the classes
+    for members in np.array_split(order, min(LENGTH_CLASSES, len(order))):
+        c = tier_capacity(model, tier.name, tier.tpot_ms, tier.ttft_ms, float(prompts[members].mean()),
+                          float(outputs[members].mean()), kv_capacity_tokens, max_batch,
+                          allowance_output=float(outputs[members].min()))
+        if c.requests_per_s == 0:
+            return replace(at_means, requests_per_s=0.0)
+        seconds_per_request += len(members) / len(order) / c.requests_per_s
+    return replace(at_means, requests_per_s=1.0 / seconds_per_request)
 
 
 def _costliest_dropped(model: LatencyModel, workload: Workload, masks: list[np.ndarray],
