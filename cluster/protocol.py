@@ -294,25 +294,33 @@ def decode_payload(payload: bytes | memoryview) -> Message:
         raise ProtocolError(f"malformed frame: {e}") from None
 
 
-async def read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES,
-                       thread_decode_bytes: int = THREAD_DECODE_BYTES) -> Message | None:
+def _frame_size(header: bytes | bytearray, max_bytes: int) -> int:
+    """The payload length a frame header announces; ProtocolError when it lies outside [1, max_bytes]."""
+    (size,) = HEADER.unpack(header)
+    if size == 0 or size > max_bytes:
+        raise ProtocolError(f"frame length {size} is outside [1, {max_bytes}]")
+    return size
+
+
+def _header_cut(partial: bytes) -> ProtocolError:
+    return ProtocolError(f"stream ended inside a frame header ({len(partial)} of {HEADER.size} bytes)")
+
+
+async def read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> Message | None:
     """The next message, or None when the peer closed the stream cleanly between frames. Frames over
-    `thread_decode_bytes` are decoded off the event loop: a reader of KvData frames, whose decoding copies nothing
-    whatever their size, keeps them on it by a larger bound."""
+    THREAD_DECODE_BYTES are decoded off the event loop."""
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as e:
         if not e.partial:
             return None
-        raise ProtocolError(f"stream ended inside a frame header ({len(e.partial)} of {HEADER.size} bytes)") from None
-    (size,) = HEADER.unpack(header)
-    if size == 0 or size > max_bytes:
-        raise ProtocolError(f"frame length {size} is outside [1, {max_bytes}]")
+        raise _header_cut(e.partial) from None
+    size = _frame_size(header, max_bytes)
     try:
         payload = await reader.readexactly(size)
     except asyncio.IncompleteReadError as e:
         raise ProtocolError(f"stream ended inside a frame ({len(e.partial)} of {size} bytes)") from None
-    if size > thread_decode_bytes:  # a prompt's top logprobs: decoded beside the loop, which keeps its other streams
+    if size > THREAD_DECODE_BYTES:  # a prompt's top logprobs: decoded beside the loop, which keeps its other streams
         return await asyncio.to_thread(decode_payload, payload)
     return decode_payload(payload)
 
@@ -461,11 +469,8 @@ class PullReader(asyncio.BufferedProtocol):
         except asyncio.IncompleteReadError as e:
             if not e.partial:
                 return None
-            raise ProtocolError(f"stream ended inside a frame header ({len(e.partial)} of {HEADER.size} "
-                                f"bytes)") from None
-        (size,) = HEADER.unpack(header)
-        if size == 0 or size > self.max_bytes:
-            raise ProtocolError(f"frame length {size} is outside [1, {self.max_bytes}]")
+            raise _header_cut(e.partial) from None
+        size = _frame_size(header, self.max_bytes)
         payload = bytearray(size if chunk_memory is None else min(size, _KV_HEAD_READ_BYTES))
         try:
             await self._read_into(memoryview(payload), timeout)

@@ -32,7 +32,6 @@ chunk searches; `check` counts one afresh.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from dataclasses import dataclass
 from enum import Enum
 
@@ -111,7 +110,7 @@ class AttainabilityChecker:
             reason = Rejection.KV_CAPACITY
         elif worst_end > first_deadline:
             reason = Rejection.PREFILL_CONTINUITY
-        elif not self._behind_on_time(summary, budget_s, start, request, work):
+        elif not self._behind_on_time(summary, budget_s, start, num_ahead, work):
             reason = Rejection.QUEUE_BEHIND
         else:
             reason = None
@@ -145,7 +144,7 @@ class AttainabilityChecker:
         second = self._second_token(summary, request, first, iterations, num_ahead, work_ahead)
         if second > planned_first + request.tpot_s:
             return False
-        return self._behind_on_time(summary, budget_s, start, request, work)
+        return self._behind_on_time(summary, budget_s, start, num_ahead, work)
 
     def first_token_time(self, summary: ResidentSummary, iteration_end: float, tpot_ms: float,
                          request: RequestSnapshot, now: float) -> float:
@@ -202,16 +201,16 @@ class AttainabilityChecker:
             + request.num_output_tokens
         return first + self.model.predict(0, num_decoding + num_ahead + 1, kv)
 
-    def _behind_on_time(self, summary: ResidentSummary, budget_s: float, start: float, request: RequestSnapshot,
+    def _behind_on_time(self, summary: ResidentSummary, budget_s: float, start: float, num_ahead: int,
                         work: int) -> bool:
-        """Whether each queued prefill due after r's first token still emits its next token by its deadline, `work`
-        (r's prompt and the prefills before it) going first, at whole chunks of what the decodes leave now."""
+        """Whether each queued prefill after the `num_ahead` that go before r still emits its next token by its
+        deadline, `work` (r's prompt and the prefills before it) going first, at whole chunks of what the decodes
+        leave now."""
         keys, works = summary.queued_prefills()
-        n = bisect_right(keys, request.first_token_due)
-        if n == len(keys):
+        if num_ahead == len(keys):
             return True
         chunk, chunk_s = summary.decode_chunk(self.model, budget_s, self.max_prefill_chunk)
-        for i in range(n, len(keys)):
+        for i in range(num_ahead, len(keys)):
             work += works[i]
             if start + -(-work // chunk) * chunk_s > keys[i]:
                 return False

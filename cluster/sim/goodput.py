@@ -15,10 +15,10 @@ any of its requests may spend), and a class's B is the batch of the highest capa
 whose T(B) is within its allowance and whose KV fits the pool and the sequence cap. A tier's capacity is the
 harmonic mean of its classes' (each weighted by its share of the tier's requests). N instances carrying the mix p_k
 then serve at most lambda* = N / sum_k (p_k / capacity_k) requests per second. On the tier's mean lengths alone it
-is not a bound: a fleet serves short outputs at the large batches their longer allowance permits. A rule that lets a share of requests miss is
-bounded by the same computation on the requests it must serve: those left after dropping the costliest share
-(instance time of each request at its tier's batch: its decode iterations' share plus its prompt's prefill time),
-per tier for every-tier, from all tiers together for strict.
+is not a bound: a fleet serves short outputs at the large batches their longer allowance permits. A rule that lets
+a share of requests miss is bounded by the same computation on the requests it must serve: those left after dropping
+the costliest share (instance time of each request at its tier's batch: its decode iterations' share plus its
+prompt's prefill time), per tier for every-tier, from all tiers together for strict.
 """
 from __future__ import annotations
 
