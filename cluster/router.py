@@ -43,7 +43,7 @@ from cluster.protocol import Resident
 from engine.config import ROLES
 from scheduler.attainability import Attainability, AttainabilityChecker
 from scheduler.instance_state import InstanceState, RequestSnapshot
-from scheduler.headroom import Headroom
+from scheduler.headroom import DEFAULT_TARGET, Headroom
 from scheduler.latency_model import LatencyModel
 from scheduler.online_fit import OnlineLatencyModel
 from scheduler.output_length import OutputLengthTracker
@@ -108,7 +108,7 @@ class Router:
                  autoscaler: Autoscaler | None = None, queue_limit: int = 256, max_prefill_chunk: int = 2048,
                  expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000,
                  gradient: bool = True, promotion: str = "lazy", shed_late: bool = True,
-                 transfer: TransferModel | None = None):
+                 transfer: TransferModel | None = None, headroom_target: float = DEFAULT_TARGET):
         """`latency_model` is where the router's predictions start: it refines them from the steps the instances
         report (`OnlineLatencyModel`), and holds each tier's instances to the tier's TPOT less a margin fed back
         from its requests' outcomes (`Headroom`), as each engine does for its chunks (DESIGN.md §2, learning under
@@ -127,7 +127,10 @@ class Router:
         tiers (nearest first) before the request's own.
 
         `transfer`: how long a hand-off's KV takes from a prefill to a decode instance (None: no time), which the
-        prefill placement reserves before the first-token deadline and the decode placement waits for."""
+        prefill placement reserves before the first-token deadline and the decode placement waits for.
+
+        `headroom_target`: the share of requests each margin lets miss (`Headroom.target`): both margins of every
+        tier, the TPOT one and the first-token one, settle where that share of their requests miss."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
@@ -141,8 +144,8 @@ class Router:
         self.queue_limit, self.max_prefill_chunk = queue_limit, max_prefill_chunk
         self.output_lengths = OutputLengthTracker(expected_output_tokens)
         self.checker = AttainabilityChecker(self.model, self.output_lengths, max_prefill_chunk)
-        self.headroom = [Headroom() for _ in tiers]  # by the tier whose TPOT an instance is held to
-        self.first_token_headroom = [Headroom() for _ in tiers]  # by request tier: the share of TTFT planned
+        self.headroom = [Headroom(headroom_target) for _ in tiers]  # by the tier whose TPOT an instance is held to
+        self.first_token_headroom = [Headroom(headroom_target) for _ in tiers]  # by request tier: the share of TTFT planned
         self.fleet = Fleet(len(tiers))
         # one queue per tier under every policy: "least-loaded-admission" ignores tiers in placement only, and
         # waiting as PolyServe's requests wait (the same bound per tier, retried tightest tier first, each tier in

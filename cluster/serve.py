@@ -136,7 +136,7 @@ def build_backend(args: argparse.Namespace) -> RouterBackend:
     transfer = TransferModel(LINKS[args.kv_link], kv_bytes) if args.prefill_instances else None
     router = Router(config.tier_set, latency_model, policy=args.router_policy, autoscaler=Autoscaler(limits),
                     queue_limit=args.queue_limit, shed_late=not args.serve_late, max_prefill_chunk=config.prefill_chunk,
-                    transfer=transfer)
+                    transfer=transfer, headroom_target=config.headroom_target)
     service = RouterService(router, launcher=build_launcher(args, config, limits.max_instances),
                             heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations)
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from scheduler.headroom import DEFAULT_TARGET
 from scheduler.latency_model import LatencyModel, scaled
 from scheduler.policy import BATCH_POLICIES
 from scheduler.prediction_error import EXACT, PREDICTION_ERRORS, prediction_error
@@ -51,6 +52,8 @@ class EngineConfig:
                                           "static budget (default: max_num_batched_tokens)", int, default=None)
     tiers: str = _flag("SLO tiers name:tpot_ms:ttft_ms,... tightest first", default=DEFAULT_TIERS)
     default_tier: str | None = _flag("tier of requests that name no SLO (default: the loosest)", str, default=None)
+    headroom_target: float = _flag("share of requests each latency margin lets miss by prediction error (the "
+                                   "engine's chunking and the router's placement alike)", default=DEFAULT_TARGET)
     latency_profile: str | None = _flag("latency profile JSON (bench.profile; scheduler/profiles/): the step time "
                                         "of an emulated engine and the prior of every prediction", str, default=None)
     time_scale: float = _flag("every predicted (and emulated) step time times this", default=1.0)

@@ -82,7 +82,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         # The engine alone feeds the latency model, once per step; the policy and the admission test predict by it.
         self.latency_model = latency_model
-        self.headroom = headroom or Headroom()
+        self.headroom = headroom or Headroom(config.headroom_target)
         self.output_lengths = OutputLengthTracker(default_mean=min(256, self.max_model_len))
         self.attainability = AttainabilityChecker(latency_model, self.output_lengths, config.prefill_chunk)
         self.iteration_end = 0.0  # predicted end of the step in flight

@@ -51,7 +51,7 @@ def build_engine(config: EngineConfig, policy: BatchPolicy | None = None, latenc
     online = OnlineLatencyModel(prior, max_prefill_tokens=config.max_num_batched_tokens,
                                 max_decode_seqs=config.max_num_seqs,
                                 max_kv_tokens=executor.num_kv_blocks * config.block_size)
-    headroom = Headroom()
+    headroom = Headroom(config.headroom_target)
     if policy is None:
         policy = make_batch_policy(config.batch_policy, online, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk, headroom)

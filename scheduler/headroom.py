@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The share of requests a margin lets miss unless the operator says otherwise: well inside a rule of 99 % attaining,
+# where refused requests count against the rule too (bench/RESULTS.md compares shares against both goodput rules).
+DEFAULT_TARGET = 0.005
+
 # A request's standing, as the headroom reads it: kept on the request by its owner, advanced by `note_token`.
 ON_TIME = 0  # every token so far on time
 LATE_START = 1  # its first token was late: queueing or prefill, not packing; the headroom ignores it
@@ -23,7 +27,7 @@ MISSED = 2  # a later token was late: counted once
 
 @dataclass(slots=True)
 class Headroom:
-    target: float = 0.005  # share of requests allowed to miss by packing: well inside every goodput rule
+    target: float = DEFAULT_TARGET
     step: float = 0.01  # margin added by one miss
     max_margin: float = 0.5  # never plan less than half the TPOT: past that, error is not what misses
     margin: float = 0.0

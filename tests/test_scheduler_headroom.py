@@ -39,3 +39,35 @@ def test_settles_at_the_margin_whose_miss_rate_is_the_target():
 def test_bad_settings_named(kwargs):
     with pytest.raises(ValueError, match="target|step|margin"):
         Headroom(**kwargs)
+
+
+def test_every_margin_of_a_deployment_follows_its_headroom_target(llama_tiny):
+    """The router's two margins per tier, the engine's, and the simulated engines' let the configured share miss."""
+    import numpy as np
+
+    from cluster.router import Router
+    from cluster.sim.simulator import SimConfig, Simulator
+    from cluster.sim.workload import Workload
+    from engine.config import EngineConfig
+    from engine.llm import build_engine
+    from scheduler.roofline import emulated_latency_model
+    from scheduler.tiers import parse_tiers
+
+    tiers, model = parse_tiers("a:20:500,b:100:2000"), emulated_latency_model()
+    router = Router(tiers, model, headroom_target=0.02)
+    assert [h.target for h in router.headroom + router.first_token_headroom] == [0.02] * 4
+    engine = build_engine(EngineConfig(model=llama_tiny[0], executor="emulated", num_kv_blocks=64,
+                                       headroom_target=0.02))
+    assert engine.headroom.target == 0.02 and engine.policy.headroom is engine.headroom
+    sim = Simulator(SimConfig(num_instances=2, headroom_target=0.02), tiers, model)
+    one = Workload(np.array([0.0]), np.array([100], np.int64), np.array([5], np.int64), np.zeros(1, np.int8), tiers)
+    assert sim.run(one).served.all()
+    assert [h.target for h in sim.router.headroom] + [i.headroom.target for i in sim.instances.values()] == [0.02] * 4
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="headroom target"):
+            Router(tiers, model, headroom_target=bad)
+        with pytest.raises(ValueError, match="headroom target"):
+            Simulator(SimConfig(num_instances=1, headroom_target=bad), tiers, model)
+        with pytest.raises(ValueError, match="headroom target"):
+            build_engine(EngineConfig(model=llama_tiny[0], executor="emulated", num_kv_blocks=64,
+                                      headroom_target=bad))

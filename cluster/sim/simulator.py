@@ -42,7 +42,7 @@ from cluster.router import InstanceReport, Outcome, Router
 from cluster.sim.instance import IDLE, MissTally, SimInstance, SimRequest
 from scheduler.transfer import LINKS, transfer_model
 from cluster.sim.workload import REFUSED, Workload
-from scheduler.headroom import Headroom
+from scheduler.headroom import DEFAULT_TARGET, Headroom
 from scheduler.latency_model import LatencyModel
 from scheduler.online_fit import OnlineLatencyModel
 from scheduler.policy import BATCH_POLICIES, make_batch_policy
@@ -69,6 +69,7 @@ class SimConfig:
     max_prefill_chunk: int = 2048  # PolyServe's chunk cap; the static budget of FCFS and EDF
     queue_limit: int = 256
     shed_late: bool = True  # the router gives up a queued request that can no longer be on time (Router)
+    headroom_target: float = DEFAULT_TARGET  # the share of requests each margin lets miss, router's and engines'
     # the most steps an instance's report is held back while nothing placement depends on changed, as the worker's
     # --report-every-steps (cluster/step_reports.py); 1: a report every step
     report_every_steps: int = 1
@@ -102,6 +103,8 @@ class SimConfig:
             raise ValueError("max_prefill_chunk cannot exceed max_num_batched_tokens")
         if self.report_every_steps < 1:
             raise ValueError(f"report_every_steps must be positive, got {self.report_every_steps}")
+        if not 0 < self.headroom_target < 1:
+            raise ValueError(f"headroom target must lie in (0, 1), got {self.headroom_target}")
         if self.transfer not in LINKS:
             raise ValueError(f"transfer must be one of {', '.join(LINKS)}, got {self.transfer!r}")
         if self.prefill_instances < 0:
@@ -206,7 +209,8 @@ class Simulator:
         transfer = {"transfer": self._transfer} if cfg.prefill_instances else {}
         return Router(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
                       queue_limit=cfg.queue_limit, shed_late=cfg.shed_late, max_prefill_chunk=cfg.max_prefill_chunk,
-                      expected_output_tokens=expected_output, seed=cfg.seed, **transfer, **self.router_kwargs)
+                      expected_output_tokens=expected_output, seed=cfg.seed, headroom_target=cfg.headroom_target,
+                      **transfer, **self.router_kwargs)
 
     def _new_instance(self, now: float, prefill: bool = False) -> str:
         instance_id = f"i{self._next_instance}"
@@ -217,7 +221,7 @@ class Simulator:
         # as build_engine builds an engine's
         learned = OnlineLatencyModel(self.model, max_prefill_tokens=cfg.max_num_batched_tokens,
                                      max_decode_seqs=cfg.max_num_seqs, max_kv_tokens=cfg.kv_blocks * cfg.block_size)
-        headroom = Headroom()
+        headroom = Headroom(cfg.headroom_target)
         inst = SimInstance(index, self.policy_factory(learned, headroom), truth, learned, headroom, cfg.kv_blocks,
                            cfg.block_size, self._push_step_event, self._on_finish, fast_forward=cfg.fast_forward,
                            instance_id=instance_id, report_every=cfg.report_every_steps,
