@@ -9,14 +9,14 @@
 
 The default run is the goodput matrix (DESIGN.md §6), the fleet stepping on the --prediction-error truth
 (scheduler/prediction_error.py) that no predictor sees: every policy x every workload of
-cluster.sim.workload.MATRIX_WORKLOADS x --fleets instances, and --leader-fleets for PolyServe and the best
-baseline of each workload (the best at the largest of --fleets). Per cell: the headline goodput (every tier >= 90 %
-attaining) and the strict one (>= 99 % of all requests), each on the fleet configured for it (RULE_HEADROOM_TARGETS: the
-share of requests its margins let miss) and each the highest rate passing on every seed below the lowest
-failing one (cluster.sim.goodput.search_goodput; "?" marks one not confirmed by a failure within the
-tolerance above it), its share of the fluid bound of the same rule, its ratio to the best baseline of the cell,
-and each tier's attainment at the headline goodput under the three views of DESIGN.md §1 (cumulative deadlines,
-mean TPOT, max inter-token gap). Beside it, the error sweep: PolyServe's and the best baseline's headline score
+cluster.sim.workload.MATRIX_WORKLOADS x --fleets instances, and --leader-fleets for PolyServe and the best baseline
+of each workload (the best at the largest of --fleets). Per cell: the headline goodput (every tier >= 90 %
+attaining) and the strict one (>= 99 % of all requests), each on the fleet configured for it (RULE_HEADROOM_TARGETS:
+the share of requests its margins let miss) and each the highest rate passing on every seed below the lowest failing
+one (cluster.sim.goodput.search_goodput; "?" marks one not confirmed by a failure within the tolerance above it),
+its share of the fluid bound of the same rule, its ratio to the best baseline of the cell, and each tier's
+attainment at the headline goodput under the three views of DESIGN.md §1 (cumulative deadlines, mean TPOT, max
+inter-token gap). Beside it, the error sweep: PolyServe's and the best baseline's headline score
 (the worst tier's attainment) over a few rates with each prediction-error preset, conv-4tier at 16 instances.
 
 Written to <out>/goodput.json (a run without the matrix: goodput_<experiments>.json), plots (PNG) to <out>:
@@ -299,7 +299,8 @@ class CellJob:
     Each rule is searched on the fleet configured for it (`Setup.for_rule`). The headline goodput is searched from
     `bracket`; the strict one from STRICT_START x the headline goodput up to it (the search widens a bracket that
     misses): a fleet that attains 99 % of all requests attains 90 % of each tier of a matrix workload, every tier
-    holding a quarter or more of the requests. Where the headline passed nowhere, strict is not searched. Each tier's attainment at the headline goodput is that of its first seed's run."""
+    holding a quarter or more of the requests. Where the headline passed nowhere, strict is not searched. Each tier's
+    attainment at the headline goodput is that of its first seed's run."""
     setup: Setup
     policy: str
     num_instances: int

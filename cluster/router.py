@@ -145,7 +145,8 @@ class Router:
         self.output_lengths = OutputLengthTracker(expected_output_tokens)
         self.checker = AttainabilityChecker(self.model, self.output_lengths, max_prefill_chunk)
         self.headroom = [Headroom(headroom_target) for _ in tiers]  # by the tier whose TPOT an instance is held to
-        self.first_token_headroom = [Headroom(headroom_target) for _ in tiers]  # by request tier: the share of TTFT planned
+        # by request tier: the share of TTFT planned
+        self.first_token_headroom = [Headroom(headroom_target) for _ in tiers]
         self.fleet = Fleet(len(tiers))
         # one queue per tier under every policy: "least-loaded-admission" ignores tiers in placement only, and
         # waiting as PolyServe's requests wait (the same bound per tier, retried tightest tier first, each tier in
