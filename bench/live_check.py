@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from bench.goodput import RULE_HEADROOM_TARGETS
 from cluster.sim.calibration import attained, replay_on_fleet, simulated_with_host_time, write_emulated_model_folder
 from cluster.sim.goodput import EVERY_TIER, fluid_bound, search_goodput
 from cluster.sim.simulator import SimConfig, Simulator
@@ -77,7 +78,8 @@ class Deployment:
 
     def config(self, seed: int) -> SimConfig:
         return SimConfig(num_instances=NUM_INSTANCES, reveal_output_len=True,
-                         prediction_error=prediction_error(self.preset), seed=seed)
+                         prediction_error=prediction_error(self.preset), seed=seed,
+                         headroom_target=RULE_HEADROOM_TARGETS[EVERY_TIER.name])
 
     def poisson(self, rate: float, seed: int) -> Workload:
         return self.workloads.poisson(rate, self.duration_s, seed)
@@ -147,7 +149,7 @@ def live_check(dep: Deployment, rate: float, seed: int) -> dict:
                                  cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
                                  max_prefill_chunk=cfg.max_prefill_chunk, model=dep.model,
-                                 prediction_error=dep.preset, step_seed=seed)
+                                 prediction_error=dep.preset, step_seed=seed, headroom_target=cfg.headroom_target)
         live = asyncio.run(_with_progress(replay, dep.duration_s, f"{dep.preset}: live fleet"))
     plain = Simulator(cfg, dep.tiers, dep.model).run(w)
     with_host = simulated_with_host_time(cfg, dep.tiers, dep.model, w, live)

@@ -45,7 +45,7 @@ from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
 from engine.serving import QueueFullError, freeze_startup_heap
 from scheduler.attainment import measure_request
-from scheduler.headroom import Headroom
+from scheduler.headroom import DEFAULT_TARGET, Headroom
 from scheduler.latency_model import LatencyModel
 from scheduler.prediction_error import EXACT, StepTruth, prediction_error
 from scheduler.roofline import LLAMA_3_1_8B, ModelShape
@@ -231,13 +231,13 @@ async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: 
                           num_kv_blocks: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                           max_prefill_chunk: int, model: LatencyModel, prediction_error: str = "exact",
                           step_seed: int = 0, shed_late: bool = True, prefill_instances: int = 0,
-                          transfer: str = "nvlink") -> FleetReplay:
+                          transfer: str = "nvlink", headroom_target: float = DEFAULT_TARGET) -> FleetReplay:
     """Runs `workload` through a live fleet: `num_instances` emulated engine processes (each sleeping, per step,
     the truth of `model`, the emulated latency model at `time_scale`, under the `prediction_error` preset, its draws
     seeded by `step_seed` and its instance id; batch policy PolyServe), attached to a RouterService whose Router
     (policy polyserve, no autoscaler: the fleet is fixed, as in the simulator) places every request. Each request
     is sent at its arrival with max_tokens = its output length (ignore_eos), so it ends exactly there. `shed_late`:
-    the Router's (False: every request served, however late).
+    the Router's (False: every request served, however late). `headroom_target`: the router's and the engines'.
 
     `prefill_instances` > 0: that many of the engines are started with role prefill and the rest with role decode
     (the launcher's rule), and the router counts a hand-off's KV as crossing the `transfer` link (a preset of
@@ -247,12 +247,13 @@ async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: 
                          f"got {prefill_instances}")
     router = Router(workload.tiers, model, max_prefill_chunk=max_prefill_chunk, shed_late=shed_late,
                     expected_output_tokens=float(workload.output_lens.mean()) if len(workload) else 128.0,
-                    transfer=transfer_model(transfer) if prefill_instances else None)
+                    transfer=transfer_model(transfer) if prefill_instances else None, headroom_target=headroom_target)
     launcher = LocalLauncher(EngineConfig(model=model_folder, executor="emulated", num_kv_blocks=num_kv_blocks,
                                           time_scale=time_scale, max_num_seqs=max_num_seqs,
                                           max_num_batched_tokens=max_num_batched_tokens,
                                           max_prefill_chunk=max_prefill_chunk, prediction_error=prediction_error,
-                                          step_seed=step_seed), prefill_instances=prefill_instances)
+                                          step_seed=step_seed, headroom_target=headroom_target),
+                             prefill_instances=prefill_instances)
     service = _ReportKeepingService(router, launcher=launcher, heartbeat_timeout_s=10.0)
     await service.start()
     try:
