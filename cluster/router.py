@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Iterable, Sequence
 
-from cluster.autoscaler import Autoscaler
+from cluster.autoscaler import Autoscaler, decode_seconds_per_token
 from cluster.fleet import Fleet, InstanceStatus, InstanceView, RoutedRequest
 from cluster.protocol import Resident
 from engine.config import ROLES
@@ -427,6 +427,25 @@ class Router:
     def prefill_seconds_per_token(self) -> float:
         """A prompt token's predicted time on a prefill instance, in whole chunks (the autoscaler's prefill sizing)."""
         return self.checker.prefill_seconds(self.max_prefill_chunk) / self.max_prefill_chunk
+
+    @property
+    def decode_seconds_per_token(self) -> float:
+        """A decoded token's predicted share of a decode instance's step at the largest batch its tier's TPOT (less
+        its headroom) and its KV allow, at the decode residents' mean context, the tiers weighted by their residents
+        (the autoscaler's decode sizing); 0 while no decode instance holds a request."""
+        held: Counter[int] = Counter()  # residents by the tier whose TPOT their instance is held to
+        kv_tokens = capacity = 0
+        for view in self.fleet.instances.values():
+            if view.residents and self.roles.get(view.instance_id) == "decode":
+                held[view.tier if view.tier is not None else min(view.residents_per_tier)] += len(view.residents)
+                kv_tokens += view.kv_tokens
+                capacity = max(capacity, view.kv_capacity_tokens)
+        residents = sum(held.values())
+        if not residents:
+            return 0.0
+        context = max(1, kv_tokens // residents)
+        return sum(n * decode_seconds_per_token(self.model, self._budget_ms(tier) / 1000.0, context,
+                                                max(1, capacity // context)) for tier, n in held.items()) / residents
 
     def _transfer_s(self, req: RoutedRequest) -> float:
         return self.transfer.seconds(req.num_prompt_tokens) if self.transfer is not None else 0.0

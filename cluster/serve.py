@@ -25,8 +25,11 @@ rest with role decode (the engines' --role is theirs to set, so it is not a flag
 --max-instances count all engines. The prefill pool holds N engines at least and --max-prefill-instances at most
 (default N: a fixed pool): the autoscaler sizes it from the prompt tokens placed on it, ceil(rate x a prompt token's
 predicted time / --prefill-utilisation), and stops a surplus prefill engine once it has been idle for
---stop-after-idle-s; the decode pool is sized as a co-located fleet, its minimum being what --min-instances leaves
-beside N. A dead prefill engine is replaced by a prefill engine. Warm spares are decode engines.
+--stop-after-idle-s. The decode pool is sized from the tokens its engines decode, at the batch a decode engine's
+TPOT allows (--decode-utilisation), its minimum being what --min-instances leaves beside N; both pools hold enough
+engines that their KV links (one an engine, at --kv-link's rate) carry the hand-offs' bytes within
+--transfer-utilisation; a tier's waiting request still starts a decode engine. A dead prefill engine is replaced by a
+prefill engine. Warm spares are decode engines.
 """
 from __future__ import annotations
 
@@ -70,9 +73,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-utilisation", type=float, default=0.7,
                     help="with --prefill-instances: the share of its time a prefill engine is planned busy when the "
                          "pool is sized from its token rate")
+    ap.add_argument("--decode-utilisation", type=float, default=0.8,
+                    help="with --prefill-instances: the share of its TPOT-bound batch a decode engine is planned to "
+                         "carry when the decode pool is sized from its decode token rate")
+    ap.add_argument("--transfer-utilisation", type=float, default=0.5,
+                    help="with --prefill-instances: the share of its bandwidth an engine's KV link is planned to "
+                         "carry when the pools are sized from the hand-offs' byte rate")
     ap.add_argument("--prefill-rate-window-s", type=float, default=10.0,
-                    help="with --prefill-instances: the prefill token rate is that of the prompts placed on the "
-                         "prefill engines over this many seconds")
+                    help="with --prefill-instances: every stage's rate (prompt tokens placed, tokens decoded, KV "
+                         "bytes handed off) is over this many seconds")
     ap.add_argument("--kv-link", choices=LINKS, default="net-400g",
                     help="with --prefill-instances: the link a hand-off's KV crosses, whose nominal rate the router "
                          "counts in a prompt's first-token deadline (scheduler/transfer.py)")
@@ -128,7 +137,8 @@ def build_backend(args: argparse.Namespace) -> RouterBackend:
         max_per_tier=None if baseline else args.max_per_tier, stop_after_idle_s=args.stop_after_idle_s,
         min_prefill_instances=args.prefill_instances,
         max_prefill_instances=args.prefill_instances if baseline else args.max_prefill_instances,
-        prefill_utilisation=args.prefill_utilisation, prefill_rate_window_s=args.prefill_rate_window_s)
+        prefill_utilisation=args.prefill_utilisation, prefill_rate_window_s=args.prefill_rate_window_s,
+        decode_utilisation=args.decode_utilisation, transfer_utilisation=args.transfer_utilisation)
     model = config.model or default_model_path()
     model_config = ModelConfig.from_folder(model)
     # the KV crosses in the serving dtype: a GPU's bf16 unless given (a CPU engine's float32 moves on loopback)

@@ -29,8 +29,9 @@ around the pure `Router` and `Autoscaler` (DESIGN.md §5). This file owns every 
   `max_transfer_attempts`; then, or when the prefill side holds it no more, or when the decode instance is lost
   after it streamed, the stream migrates (prefilled again, as any stream whose instance failed). A client that
   leaves mid-way has the prefill side's hold aborted too. Every prompt sent to a prefill instance feeds the
-  autoscaler's prefill token rate; the plan's prefill starts raise the launcher's prefill target, and its stops
-  drain idle prefill instances as decode ones, never one still holding a hand-off's KV.
+  autoscaler's prefill token rate, every decode instance's step report its decode token rate, and every hand-off
+  its KV byte rate; the plan's prefill starts raise the launcher's prefill target, and its stops drain idle prefill
+  instances as decode ones, never one still holding a hand-off's KV.
 """
 from __future__ import annotations
 
@@ -447,6 +448,9 @@ class RouterService:
             last = steps[-1]
             self.router.on_report(instance_id, InstanceReport(link.to_router_clock(last.start + last.duration),
                                                               last.num_blocks_used, msg.residents, steps), now)
+            autoscaler = self.router.autoscaler
+            if autoscaler is not None and self.router.roles.get(instance_id) == "decode":
+                autoscaler.decode_tokens.add(now, sum(t.num_decode_seqs for t in steps))
             if self.metrics is not None:
                 total = max(1, msg.num_total_blocks)
                 for t in steps:
@@ -488,6 +492,9 @@ class RouterService:
         s.handoff = _HandOff(msg.handoff, link.instance_id, host, link.hello.kv_port, link.clock_offset)
         s.transfer_attempts = 0
         self.counts["handed_off"] += 1
+        autoscaler, transfer = self.router.autoscaler, self.router.transfer
+        if autoscaler is not None and transfer is not None:
+            autoscaler.transfer_bytes.add(now, s.routed.num_prompt_tokens * transfer.bytes_per_token)
         self._hand_off(s, now)
         self._dispatch(self.router.retry_queued(now), now)
 
@@ -635,7 +642,8 @@ class RouterService:
         if autoscaler.limits.min_prefill_instances:  # what only a disaggregated fleet's plan reads
             roles = router.roles if launcher is None else {**launcher.roles, **router.roles}
             plan = autoscaler.plan(router.fleet, router.waiting_tiers(), now, keep=self._holding_kv(), roles=roles,
-                                   prefill_seconds_per_token=router.prefill_seconds_per_token)
+                                   prefill_seconds_per_token=router.prefill_seconds_per_token,
+                                   decode_seconds_per_token=router.decode_seconds_per_token, transfer=router.transfer)
         else:
             plan = autoscaler.plan(router.fleet, router.waiting_tiers(), now)
         if launcher is not None and (plan.num_to_start or plan.num_prefill_to_start):

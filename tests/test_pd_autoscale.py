@@ -1,7 +1,9 @@
 """Per-stage autoscaling of a disaggregated fleet (cluster/autoscaler.py): the prefill token rate over its window,
-the prefill pool sized from it (ceil, limits, hysteresis, only idle empty engines stopped), the decode pool planned
-beside it; the simulator's PD fleet, and a live `cluster.serve` PD fleet of emulated engine processes, growing
-the prefill pool under a burst of long prompts and shrinking it after."""
+the prefill pool sized from it (ceil, limits, hysteresis, only idle empty engines stopped), the decode pool sized
+from its decode token rate at the batch its TPOT allows, both pools raised by the KV byte rate their links carry;
+the simulator's PD fleet following a burst of long prompts and a step in the decode rate, and a live `cluster.serve`
+PD fleet of emulated engine processes, growing the prefill pool under a burst of long prompts and shrinking it
+after."""
 from __future__ import annotations
 
 import math
@@ -11,13 +13,15 @@ import time
 import numpy as np
 import pytest
 
-from cluster.autoscaler import Autoscaler, ScalePlan, ScalingLimits, TokenRate
+from cluster.autoscaler import Autoscaler, ScalePlan, ScalingLimits, TokenRate, decode_seconds_per_token
 from cluster.fleet import RoutedRequest
 from cluster.router import Router
 from cluster.sim.simulator import SimConfig, Simulator
 from cluster.sim.workload import Workload
+from scheduler.latency_model import scaled
 from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import Tier, TierSet
+from scheduler.transfer import TransferLink, TransferModel
 
 MODEL = emulated_latency_model()
 TIERS = TierSet([Tier("tight", tpot_ms=30.0, ttft_ms=2000.0), Tier("loose", tpot_ms=100.0, ttft_ms=5000.0)])
@@ -201,6 +205,160 @@ def test_without_disaggregation_the_plan_ignores_roles_and_the_rate():
     assert plan(router, 0.0) == ScalePlan()
 
 
+# ---- the decode stage ---------------------------------------------------------------------------------------------
+DECODE_SECONDS_PER_TOKEN = 0.001  # a decode engine's TPOT-bound batch decodes 1000 tokens a second
+
+
+def decode_plan(router: Router, now: float, transfer: TransferModel | None = None) -> ScalePlan:
+    return router.autoscaler.plan(router.fleet, router.waiting_tiers(), now, roles=router.roles,
+                                  prefill_seconds_per_token=SECONDS_PER_TOKEN,
+                                  decode_seconds_per_token=DECODE_SECONDS_PER_TOKEN, transfer=transfer)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(decode_utilisation=0.0), "decode_utilisation"),
+    (dict(decode_utilisation=1.5), "decode_utilisation"),
+    (dict(decode_utilisation=float("nan")), "decode_utilisation"),
+    (dict(transfer_utilisation=0.0), "transfer_utilisation"),
+    (dict(transfer_utilisation=-0.5), "transfer_utilisation"),
+])
+def test_scaling_limits_reject_bad_decode_and_transfer_utilisation(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ScalingLimits(**kw)
+
+
+@pytest.mark.parametrize("rate, wanted", [
+    (0.0, 1),  # what min_instances leaves beside the prefill minimum
+    (500.0, 1),  # exactly one engine's planned share of its batch
+    (510.0, 2),  # a little more takes a second engine (ceil)
+    (1500.0, 3),
+    (1e6, 5),  # what max_instances leaves beside the prefill minimum
+])
+def test_decode_engines_wanted_from_the_decode_token_rate(rate, wanted):
+    auto = Autoscaler(pd_limits(decode_utilisation=0.5))
+    assert auto.decode_wanted(rate, DECODE_SECONDS_PER_TOKEN) == wanted
+    assert wanted == max(1, min(5, math.ceil(rate * DECODE_SECONDS_PER_TOKEN / 0.5)))
+
+
+@pytest.mark.parametrize("budget_s, context, max_batch", [
+    (0.030, 1000, 4096),  # the TPOT bounds the batch
+    (0.030, 1000, 64),  # the KV bounds it
+    (0.100, 200, 4096),
+    (0.001, 100, 1000),  # not even one sequence within the budget: one sequence's step
+])
+def test_decode_seconds_per_token_at_the_largest_batch_within_the_budget(budget_s, context, max_batch):
+    batch = max((b for b in range(1, max_batch + 1) if MODEL.predict(0, b, b * context) <= budget_s), default=1)
+    assert decode_seconds_per_token(MODEL, budget_s, context, max_batch) == \
+        MODEL.predict(0, batch, batch * context) / batch
+
+
+def test_decode_seconds_per_token_rejects_bad_input():
+    with pytest.raises(ValueError, match="context and max_batch"):
+        decode_seconds_per_token(MODEL, 0.03, 0, 10)
+
+
+def hand_off(router: Router, request_id: str, tier: int, tokens: int, now: float) -> str:
+    t = TIERS[tier]
+    decision = router.hand_off(RoutedRequest(request_id, tier, t.name, t.slo, now, tokens, 16), now)
+    return decision.instance_id
+
+
+def test_the_routers_decode_seconds_per_token_from_its_decode_residents():
+    router = pd_router(pd_limits(), decode=("d0", "d1"))
+    assert router.decode_seconds_per_token == 0.0  # nothing decoding: nothing to size from
+    assert router.submit(prompt("new", 1000, 0.0), 0.0).instance_id == "p0"
+    assert router.decode_seconds_per_token == 0.0  # a prefill engine's resident is no decode work
+    # short contexts, so that the KV does not bound the batch before the tight tier's TPOT does
+    loose = hand_off(router, "a", 1, 40, 0.0)
+    view = router.fleet.instances[loose]
+    budget_s = router.headroom[1].budget_ms(TIERS[1].tpot_ms) / 1000.0
+    only_loose = router.decode_seconds_per_token
+    assert only_loose == decode_seconds_per_token(router.model, budget_s, view.kv_tokens,
+                                                  CAPACITY // view.kv_tokens)
+    # a tight tier's resident, as long, on the other engine: its TPOT allows a smaller batch, each token a larger share
+    assert hand_off(router, "b", 0, 40, 0.0) != loose
+    assert router.decode_seconds_per_token > only_loose
+
+
+def test_a_rising_decode_rate_starts_decode_engines_before_any_request_waits():
+    router = pd_router(pd_limits(decode_utilisation=0.5))
+    auto = router.autoscaler
+    auto.decode_tokens.add(0.0, 4000)  # 400 a second over the window: one engine at 0.4 of its batch
+    assert decode_plan(router, 0.0) == ScalePlan()
+    auto.decode_tokens.add(1.0, 2000)  # 600 a second: past one engine's planned share
+    assert router.waiting_tiers() == []  # nothing waits: the queue-driven rule would start nothing
+    assert plan(router, 1.0) == ScalePlan()
+    assert decode_plan(router, 1.0) == ScalePlan(num_to_start=1)
+    router.add_instance("d1", 1.0)
+    router.set_role("d1", "decode")
+    assert decode_plan(router, 1.5) == ScalePlan()  # a starting one counts
+    auto.decode_tokens.add(2.0, 10_000)  # 1600 a second: four
+    assert decode_plan(router, 2.0) == ScalePlan(num_to_start=2)
+    auto.decode_tokens.add(3.0, 100_000)  # far more: within max_instances beside the prefill engine
+    router.add_instance("d2", 3.0)
+    router.set_role("d2", "decode")
+    assert decode_plan(router, 3.0) == ScalePlan(num_to_start=2)
+
+
+def test_decode_engines_stay_while_the_rate_wants_them_and_idle_ones_stop_after_it_falls():
+    limits = pd_limits(decode_utilisation=0.5, prefill_rate_window_s=4.0)
+    # the co-located rule alone stops two of three idle decode engines once idle past the hold: the minimum is one
+    assert plan(pd_router(limits, decode=("d0", "d1", "d2")), 5.0) == ScalePlan(to_stop=("d0", "d1"))
+    router = pd_router(limits, decode=("d0", "d1", "d2"))
+    auto = router.autoscaler
+    stops = []
+    for now in (0.0, 1.0, 2.0):
+        auto.decode_tokens.add(now, 1000)  # 1000 a second until 12: two engines at half their batch
+    for tick in range(6, 60):  # every half second, as the service's ticks, from when the window is full
+        now = tick * 0.5
+        if now <= 12.0 and now == int(now):
+            auto.decode_tokens.add(now, 1000)
+        wanted = auto.decode_wanted(auto.decode_tokens.rate(now), DECODE_SECONDS_PER_TOKEN)
+        assert wanted == (2 if now < 14.0 else 1)
+        p = decode_plan(router, now)
+        assert p.num_to_start == 0 and p.num_prefill_to_start == 0
+        for instance_id in p.to_stop:
+            stops.append((now, instance_id))
+            router.start_draining(instance_id, now)
+            router.remove_instance(instance_id, now)
+    # one goes once idle past the hold, two stay while the rate wants them; the second goes once two were last
+    # wanted (at 13.5) longer than stop_after_idle_s ago
+    assert stops == [(5.0, "d0"), (19.0, "d1")]
+    assert [i for i, r in router.roles.items() if r == "decode"] == ["d2"]
+
+
+# ---- the transfer stage -------------------------------------------------------------------------------------------
+SLOW_LINK = TransferModel(TransferLink("slow", bandwidth=1e9, latency_s=0.0), bytes_per_token=1000)
+
+
+@pytest.mark.parametrize("bytes_rate, links", [(0.0, 0), (5e8, 1), (6e8, 2), (1.5e9, 3)])
+def test_links_wanted_so_that_none_runs_past_its_share(bytes_rate, links):
+    auto = Autoscaler(pd_limits(transfer_utilisation=0.5))
+    assert auto.links_wanted(bytes_rate, SLOW_LINK) == links
+    assert auto.links_wanted(bytes_rate, None) == 0  # no link model: the transfer is not sized
+
+
+def test_the_kv_byte_rate_raises_both_pools_past_what_their_links_carry():
+    router = pd_router(pd_limits(transfer_utilisation=0.5))
+    auto = router.autoscaler
+    auto.transfer_bytes.add(0.0, 15 * 10 ** 9)  # 1.5 GB a second over the 10 s window: three links at half load
+    assert decode_plan(router, 0.0) == ScalePlan()  # no prompt or decode token: without the link's model, nothing
+    assert decode_plan(router, 0.0, transfer=SLOW_LINK) == ScalePlan(num_to_start=2, num_prefill_to_start=2)
+    router = pd_router(pd_limits(transfer_utilisation=0.5))
+    router.autoscaler.transfer_bytes.add(0.0, 50 * 10 ** 9)  # ten links' worth: each pool within its limits
+    assert decode_plan(router, 0.0, transfer=SLOW_LINK) == ScalePlan(num_to_start=2, num_prefill_to_start=2)
+    start_prefill(router, 0.0, "p1", "p2")  # three prefill engines, the cap: the rest of max_instances decodes
+    assert decode_plan(router, 0.0, transfer=SLOW_LINK) == ScalePlan(num_to_start=2)
+
+
+def test_without_disaggregation_the_decode_and_transfer_rates_change_nothing():
+    limits = ScalingLimits(min_instances=2, max_instances=6, idle_pool=0, stop_after_idle_s=5.0)
+    router = pd_router(limits, prefill=(), decode=("a", "b"))
+    router.autoscaler.decode_tokens.add(0.0, 10 ** 9)
+    router.autoscaler.transfer_bytes.add(0.0, 10 ** 15)
+    assert decode_plan(router, 0.0, transfer=SLOW_LINK) == ScalePlan()
+
+
 # ---- the simulator -----------------------------------------------------------------------------------------------
 def burst_workload(seed: int = 0) -> Workload:
     """Short prompts at 4 a second for 60 s, and long ones (3000 tokens) at 25 a second from 10 s to 25 s: about
@@ -246,7 +404,122 @@ def test_simulated_pd_autoscaling_is_deterministic():
     np.testing.assert_array_equal(a.attained, b.attained)
 
 
-# ---- live: cluster.serve with emulated engine processes ----------------------------------------------------------
+CHAT = TierSet([Tier("chat", tpot_ms=100.0, ttft_ms=2000.0)])
+
+
+def decode_step_workload(seed: int = 0) -> Workload:
+    """Short prompts and 30-token answers at 4 a second, 40 a second from 5 s to 12 s: a step in the decode token
+    rate that a model twenty times slower than the emulated one decodes on a few engines."""
+    rng = np.random.default_rng(seed)
+
+    def poisson(rate: float, start: float, end: float) -> np.ndarray:
+        times = start + np.cumsum(rng.exponential(1 / rate, int(2 * rate * (end - start))))
+        return times[times < end]
+
+    arrivals = np.concatenate([poisson(4.0, 0.0, 5.0), poisson(40.0, 5.0, 12.0), poisson(4.0, 12.0, 25.0)])
+    n = len(arrivals)
+    return Workload(arrivals, rng.integers(20, 80, n), np.full(n, 30), np.zeros(n, np.int8), CHAT)
+
+
+def test_simulated_pd_fleet_sizes_its_decode_pool_from_a_decode_rate_step():
+    model = scaled(MODEL, 20.0)
+    wl = decode_step_workload()
+    decode = {}  # decode_utilisation -> decode engines starting or serving, by sample time
+    for utilisation in (1.0, 0.5):
+        limits = ScalingLimits(min_instances=2, max_instances=10, idle_pool=0, min_prefill_instances=1,
+                               max_prefill_instances=4, stop_after_idle_s=2.0, prefill_rate_window_s=2.0,
+                               decode_utilisation=utilisation)
+        cfg = SimConfig(num_instances=2, prefill_instances=1, autoscale=limits, cold_start_s=0.5,
+                        reveal_output_len=True)
+        res = Simulator(cfg, CHAT, model, sample_s=0.5).run(wl)
+        assert res.served.all()
+        assert res.counts["handed_off"] == len(wl)
+        decode[utilisation] = {t: live - prefill for t, _, _, live, prefill in res.samples}
+    for pool in decode.values():
+        assert all(n == 1 for t, n in pool.items() if t < 6.0)  # before the step: the minimum
+        assert all(n == 1 for t, n in pool.items() if t >= 20.0)  # back to it once the rate fell, past the hold
+    # only the rate rule reads decode_utilisation: planned at half their batch, the engines are more at the step
+    peak = {u: max(pool.values()) for u, pool in decode.items()}
+    assert peak[0.5] >= max(3, peak[1.0] + 1)
+    assert all(5.0 <= t < 20.0 for t, n in decode[0.5].items() if n > 1)
+
+
+def test_simulated_pd_fleet_feeds_decoded_tokens_and_handed_off_bytes():
+    """Over a window longer than the run, the rates hold every token the decode instances decoded (every output
+    token after the first: a hand-off's, and a request a decode instance ran whole) and every hand-off's prompt
+    KV."""
+    window = 1000.0
+    limits = ScalingLimits(min_instances=3, max_instances=3, idle_pool=0, min_prefill_instances=1,
+                           prefill_rate_window_s=window)
+    cfg = SimConfig(num_instances=3, prefill_instances=1, autoscale=limits, reveal_output_len=True)
+    wl = burst_workload()
+    sim = Simulator(cfg, TIERS, MODEL)
+    res = sim.run(wl)
+    assert res.served.all()
+    auto, end = sim.router.autoscaler, float(res.arrival.max())
+    handed = res.handed_off
+    assert (~handed).any()  # the burst ran some whole on decode instances
+    assert auto.decode_tokens.rate(end) * window == pytest.approx(int((wl.output_lens - 1).sum()))
+    assert auto.transfer_bytes.rate(end) * window == pytest.approx(
+        int(wl.prompt_lens[handed].sum()) * sim.router.transfer.bytes_per_token)
+
+
+# ---- live: the router service and cluster.serve ------------------------------------------------------------------
+def test_live_service_feeds_decoded_tokens_and_handed_off_bytes(llama_tiny):
+    """The router service feeds what the simulator does: every decode worker's step report its decoded tokens, every
+    hand-off its prompt's KV bytes (the router's transfer model's)."""
+    import asyncio
+
+    from cluster.service import RouterService
+    from cluster.worker import Worker
+    from engine import EngineConfig, SamplingParams
+    from engine.llm import build_engine
+
+    window = 1e6  # longer than the test: the rates hold every amount fed
+    config = dict(num_kv_blocks=48, max_num_batched_tokens=8, batch_policy="fcfs", block_size=8)
+    engines = {role: build_engine(EngineConfig(model=llama_tiny[0], role=role, **config))
+               for role in ("prefill", "decode")}
+    limits = ScalingLimits(min_instances=2, max_instances=2, idle_pool=0, min_prefill_instances=1,
+                           prefill_rate_window_s=window)
+    router = Router(engines["prefill"].tiers, MODEL, autoscaler=Autoscaler(limits), shed_late=False,
+                    transfer=TransferModel(TransferLink("test", bandwidth=1e9, latency_s=0.0), bytes_per_token=1000))
+    service = RouterService(router, heartbeat_timeout_s=30.0, drain_timeout_s=5.0)
+    prompts = {f"r{k}": [(7 * i + 3 * k) % 300 for i in range(20 + 5 * k)] for k in range(3)}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    auto = router.autoscaler
+
+    def decoded() -> int:
+        return sum(s.num_decode_seqs for s in engines["decode"].step_stats)
+
+    async def scenario():
+        workers = [Worker(engine, instance_id=role, token=service.token, heartbeat_s=0.2)
+                   for role, engine in engines.items()]
+        for worker in workers:
+            await service.attach("127.0.0.1", await worker.start())
+        await service.start()
+        try:
+            tier, slo = router.tiers.resolve(None)
+            for request_id, prompt in prompts.items():
+                outs = [o async for o in service.generate(request_id, prompt, params, tier.name, slo,
+                                                         time.monotonic())]
+                assert outs[-1].finish_reason == "length"
+            deadline = time.monotonic() + 30.0  # the decode worker's last step report may follow its finish
+            while auto.decode_tokens.rate(time.monotonic()) * window < decoded() - 0.5:
+                assert time.monotonic() < deadline, "the decode worker's steps were not all fed"
+                await asyncio.sleep(0.02)
+        finally:
+            await service.stop()
+            for worker in workers:
+                await worker.stop()
+
+    asyncio.run(scenario())
+    assert service.counts["handed_off"] == len(prompts)
+    assert decoded() == len(prompts) * (params.max_tokens - 1)  # the first token of each came from the prefill side
+    now = time.monotonic()
+    assert auto.decode_tokens.rate(now) * window == pytest.approx(decoded())
+    assert auto.transfer_bytes.rate(now) * window == pytest.approx(sum(map(len, prompts.values())) * 1000)
+
+
 def test_live_prefill_pool_grows_under_a_burst_of_long_prompts_and_shrinks_after(default_model):
     """Emulated engines fifty times slower than the model: a 1500-token prompt is over a second of prefill, so a
     burst of ten in the 4 s rate window wants more than one prefill engine, of which --max-prefill-instances allows

@@ -78,6 +78,8 @@ def test_pd_fleet_of_ray_actors_hands_off(default_model, offline):
     (["--prefill-instances", "2", "--min-instances", "2"], "below --min-instances"),
     (["--prefill-instances", "-1"], "non-negative"),
     (["--role", "decode"], "--prefill-instances N"),
+    (["--prefill-instances", "1", "--min-instances", "2", "--decode-utilisation", "0"], "decode_utilisation"),
+    (["--prefill-instances", "1", "--min-instances", "2", "--transfer-utilisation", "1.5"], "transfer_utilisation"),
 ])
 def test_bad_prefill_instances_are_refused(default_model, argv, message):
     with pytest.raises(ValueError, match=message):

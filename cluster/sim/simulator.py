@@ -17,8 +17,10 @@ It is what cluster/service.py does with messages, done with method calls:
   (then the hand-off is tried again at the next tick, as the service does), the KV arrives after the link's transfer
   time (scheduler/transfer.py) and the request joins that instance's queue with its prompt computed; the prefill
   instance frees its blocks as the transfer ends; queued, the hand-off waits in the router's queue; with
-  `autoscale`, every prompt placed on a prefill instance feeds the autoscaler's prefill token rate, and its plan
-  starts prefill instances and stops idle ones as it does decode instances (one holding a hand-off's KV is kept);
+  `autoscale`, every prompt placed on a prefill instance feeds the autoscaler's prefill token rate, every decode
+  instance's reported steps its decode token rate and every hand-off its KV byte rate, as the service's do, and
+  its plan (the reports synced first, as the service hears them as they come) starts prefill instances and stops
+  idle ones as it does decode instances (one holding a hand-off's KV is kept);
 - a finish is `router.on_finished`, then `retry_queued`; a periodic tick (the service's 50 ms) retries the queues
   and asks the autoscaler for a plan: instances it starts are ready after `cold_start_s`, the ones it stops drain
   first and are removed once empty.
@@ -48,7 +50,7 @@ from scheduler.online_fit import OnlineLatencyModel
 from scheduler.policy import BATCH_POLICIES, make_batch_policy
 from scheduler.prediction_error import EXACT, PredictionError, StepTruth
 from scheduler.roofline import kv_blocks_for_gpu
-from scheduler.types import BatchPolicy
+from scheduler.types import BatchPolicy, StepStats
 
 ARRIVAL, TRANSFER_END, STEP_EVENT, READY_EVENT, TICK = 0, 1, 2, 3, 4  # same-instant order
 
@@ -406,6 +408,8 @@ class Simulator:
             self._prefilled[sreq.request_id] = (inst, sreq.num_blocks)
             self._handed_off.add(sreq.request_id)
             sreq.num_blocks = 0  # the blocks it will hold are the decode instance's
+            if router.autoscaler is not None:
+                router.autoscaler.transfer_bytes.add(now, sreq.num_prompt_tokens * router.transfer.bytes_per_token)
             router.on_finished(sreq.request_id, sreq.num_output_tokens, now, completed=False)
             self._hand_off(sreq, now)
         if router.waiting_tiers():
@@ -479,9 +483,10 @@ class Simulator:
                 heard = inst.report
                 if heard is not None and heard.num_steps != reported[inst.index]:
                     reported[inst.index] = heard.num_steps
+                    steps = inst.take_unreported_steps(heard.num_steps)
                     router.on_report(inst.instance_id, InstanceReport(
-                        heard.iteration_end, heard.num_blocks_used, heard.residents,
-                        inst.take_unreported_steps(heard.num_steps)), now)
+                        heard.iteration_end, heard.num_blocks_used, heard.residents, steps), now)
+                    self._count_decoded(inst, steps, now)
             return
         for inst in self._by_index:
             if inst.state == IDLE and inst.num_steps == reported[inst.index]:
@@ -489,10 +494,17 @@ class Simulator:
             inst.sync(now)
             if inst.num_steps != reported[inst.index]:
                 reported[inst.index] = inst.num_steps
+                steps = inst.take_unreported_steps()
                 router.on_report(inst.instance_id, InstanceReport(inst.last_end,
                                                                   inst.num_total_blocks - inst.free_blocks,
-                                                                  inst.running + inst.waiting,
-                                                                  inst.take_unreported_steps()), now)
+                                                                  inst.running + inst.waiting, steps), now)
+                self._count_decoded(inst, steps, now)
+
+    def _count_decoded(self, inst: SimInstance, steps: list[StepStats], now: float) -> None:
+        """A decode instance's reported steps feed the autoscaler's decode token rate."""
+        autoscaler = self.router.autoscaler
+        if autoscaler is not None and self.router.roles.get(inst.instance_id) == "decode":
+            autoscaler.decode_tokens.add(now, sum(step.num_decode_seqs for step in steps))
 
     # ---- fleet -----------------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
@@ -511,8 +523,12 @@ class Simulator:
     def _autoscale(self, now: float) -> None:
         router = self.router
         holding = {inst.instance_id for inst, _ in self._prefilled.values()}  # a hand-off's KV, not yet pulled
+        stages = {}  # what only a disaggregated fleet's plan reads
+        if self.config.prefill_instances:
+            self._sync_reports(now)
+            stages = dict(decode_seconds_per_token=router.decode_seconds_per_token, transfer=router.transfer)
         plan = router.autoscaler.plan(router.fleet, router.waiting_tiers(), now, keep=holding, roles=router.roles,
-                                      prefill_seconds_per_token=router.prefill_seconds_per_token)
+                                      prefill_seconds_per_token=router.prefill_seconds_per_token, **stages)
         for k in range(plan.num_prefill_to_start + plan.num_to_start):
             instance_id = self._new_instance(now, prefill=k < plan.num_prefill_to_start)
             self._pending_ready += 1
