@@ -16,7 +16,7 @@ from engine._C import BlockManager
 from engine.config import EngineConfig
 from engine.executor import Executor, StepBatch
 from engine.kv_transfer import MAX_CHUNK_BYTES, Handoff, KvBegin, KvChunk, KvEnd, KvImportRefused, KvLayout, \
-    KvReceiver, KvTransferError, stream_blocks, write_blocks
+    KvReceiver, KvTransferError, stream_blocks
 from engine.model_config import ModelConfig
 from engine.request import Request, RequestStatus
 from engine.sampler import PromptSpan, TopLogprobs, skip_samples
@@ -300,7 +300,8 @@ class Engine:
             self.blocks.remove_sequence(seq_id)
             raise KvImportRefused(f"request {rid!r} needs {self._blocks_for(len(ids))} KV blocks, "
                                   f"{self.blocks.num_free_blocks()} are free")
-        receiver = KvReceiver(handoff, seq_id, list(self.blocks.block_table(seq_id)), cached // self.block_size)
+        receiver = KvReceiver(handoff, seq_id, list(self.blocks.block_table(seq_id)), cached // self.block_size,
+                              self.executor.kv_cache)
         self.imports[rid] = receiver
         return receiver
 
@@ -315,9 +316,7 @@ class Engine:
             raise KvTransferError(f"request {rid!r}: the KV transfer is not complete")
         detok, generator, grammar = self._continuation(h.params, [h.first_token])
         num_prompt = len(h.prompt_token_ids)
-        if receiver.total_bytes:
-            write_blocks(self.executor.kv_cache, receiver.block_ids[receiver.first_block:h.num_blocks],
-                         receiver.payload)
+        receiver.apply()
         del self.imports[rid]
         self.blocks.mark_computed(receiver.seq_id, num_prompt)
         req = Request(rid, receiver.seq_id, list(h.prompt_token_ids), h.params, h.arrival, slo=h.slo, tier=h.tier,
@@ -338,7 +337,9 @@ class Engine:
         return req
 
     def cancel_import(self, receiver: KvReceiver) -> None:
-        """Gives back a reservation whose transfer failed or was given up; nothing of it was applied."""
+        """Gives back a reservation whose transfer failed or was given up; nothing of it was applied (its blocks,
+        which may hold part of the transfer, were never marked computed)."""
+        receiver.cancel()  # no chunk is written into the blocks once they are given back
         if self.imports.get(receiver.request_id) is receiver:
             del self.imports[receiver.request_id]
             self.blocks.remove_sequence(receiver.seq_id)

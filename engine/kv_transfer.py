@@ -4,9 +4,11 @@ A prefill engine (`EngineConfig.role`) stops a request once it has sampled the f
 `Engine.handoff` describes it (`Handoff`: the request's state, the KV layout and how many blocks hold the prompt),
 `Engine.export_kv` streams the blocks as frames, and `Engine.release_handoff` frees them once the decode side has
 them. A decode engine reserves blocks for the request first (`Engine.reserve_import`, refused when they are not
-free), feeds the frames to the `KvReceiver` it got, which stages and verifies them in host memory, and applies them
-only when the whole transfer is in and every checksum holds (`Engine.finish_import`); anything else leaves its KV
-cache untouched and `Engine.cancel_import` gives the reservation back.
+free) and feeds the frames to the `KvReceiver` it got, which verifies each chunk and puts it in the reserved blocks
+(a CPU cache) or stages it in host memory (a device's); the request is applied, its blocks marked computed, only
+when the whole transfer is in and every checksum holds (`Engine.finish_import`). Anything else leaves the rest of
+its KV cache untouched and `Engine.cancel_import` gives the reservation back, its blocks unmarked: no request, and
+no prefix-cache entry, reads what part of a transfer reached them.
 
 The decode side pulls: it names the first block it needs (the leading blocks its own prefix cache already holds
 are not sent again). The stream is `KvBegin`, then `KvChunk`s of at most `max_chunk_bytes` in order, then `KvEnd`.
@@ -21,10 +23,13 @@ because the engine produces and checks them itself: an in-process transport need
 The bytes are copied as little as the frames allow: a chunk's data is a view of the blocks read for it (no copy of
 its own), and `encode_frame_parts` encodes a chunk without copying its data in, so that a transport writes the data
 from where it lies. On the receiving side a transport that reads a frame's head first (`decode_chunk_head`) reads
-the chunk's data straight into its place in the receiver's staging payload (`KvReceiver.chunk_memory`), where the
-receiver checks it; a chunk decoded whole (`decode_frame`: its data a view of the decoded buffer) is copied there
-once and checked while the bytes are still in the processor's cache. The staging payload goes into the cache's
-blocks in one indexed copy (`write_blocks`), from pinned memory when CUDA is available (one DMA to the device).
+the chunk's data straight into the memory the receiver gives for it (`KvReceiver.chunk_memory`), where the receiver
+checks it; a chunk decoded whole (`decode_frame`: its data a view of the decoded buffer) is checked where it lies.
+Into a CPU cache that memory is one chunk's buffer, kept from chunk to chunk, and a checked chunk goes into its
+blocks at once, while its bytes are still in the processor's cache (`write_payload_part`): the transfer ends with
+its last chunk, with no copy of the whole payload after it. Into a device's cache it is the chunk's place in a
+staging payload, which goes into the blocks in one indexed copy at the end (`write_blocks`), from pinned memory (one
+DMA to the device).
 """
 from __future__ import annotations
 
@@ -282,6 +287,36 @@ def write_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.Te
     raw.index_copy_(2, index, blocks.to(raw.device).movedim(0, 2))
 
 
+def write_payload_part(kv_cache: torch.Tensor, block_ids: list[int], offset: int, data: np.ndarray) -> None:
+    """Bytes `offset ..` of the payload of `block_ids` (`read_blocks`' order) into their places in a contiguous CPU
+    cache, the rest of the blocks untouched: a chunk written as it comes. A block's payload is its rows, one per
+    (layer, K or V), each one run of bytes in the cache: a part is one indexed copy of its whole rows and a copy
+    each of the parts of rows at its ends."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("write_payload_part writes into a contiguous cache only")
+    layers, _, num_blocks = kv_cache.shape[:3]
+    planes = kv_cache.view(torch.uint8).numpy().reshape(layers * 2, num_blocks, -1)  # a view: contiguous
+    rows_per_block, row = layers * 2, planes.shape[2]
+    ids = np.asarray(block_ids)
+
+    def row_of(index: int) -> np.ndarray:  # a payload row's bytes in the cache
+        block, plane = divmod(index, rows_per_block)
+        return planes[plane, ids[block]]
+
+    start, end = offset, offset + len(data)
+    first, last = -(-start // row), end // row  # the whole rows: first .. last - 1
+    if first > last:  # inside one row
+        row_of(last)[start - last * row:end - last * row] = data
+        return
+    if start < first * row:
+        row_of(first - 1)[start - (first - 1) * row:] = data[:first * row - start]
+    if first < last:
+        blocks, plane_of = np.divmod(np.arange(first, last), rows_per_block)
+        planes[plane_of, ids[blocks]] = data[first * row - start:last * row - start].reshape(-1, row)
+    if last * row < end:
+        row_of(last)[:end - last * row] = data[last * row - start:]
+
+
 def stream_blocks(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
                   first_block: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[KvBegin | KvChunk | KvEnd]:
     """The frames of blocks `block_ids[first_block:]`, read from the cache as the chunks need them (a consumer that
@@ -338,6 +373,11 @@ class _BufferPool:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin and torch.cuda.is_available())
 
+    def give_all(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            self.give(buffer)
+        buffers.clear()
+
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buffer)
@@ -348,28 +388,47 @@ class _BufferPool:
 
 _staging = _BufferPool(_STAGING_KEPT_BYTES, pin=True)
 _read_buffers = _BufferPool(_READS_KEPT_BYTES)
+_chunk_buffers = _BufferPool(_READS_KEPT_BYTES)  # a receiver's landing buffer, when it writes chunks in place
 
 
 class KvReceiver:
     """One incoming transfer into a decode engine's reserved blocks. `receive` takes the frames in order and checks
-    them as they come; the payload waits in host memory until `Engine.finish_import`. It touches no engine state,
-    so a transport may feed it off the engine's thread. Its staging buffer goes back to a pool for later transfers
-    when the receiver is dropped: `payload` is valid as long as the receiver is referenced. A transport that reads
-    a chunk's head before its data reads the data into `chunk_memory(size)` and then `receive`s the chunk with that
-    memory as its data: the bytes are then copied once, from the socket, and checked where they lie."""
+    them as they come. Into a cache on the CPU (`kv_cache`) each chunk is written into its blocks as soon as its
+    checksum holds (`in_place`): until `Engine.finish_import` marks them computed nothing reads those blocks, and a
+    transfer that fails gives them back as they are, with no prefix-cache entry naming them. Into a device's cache
+    (or with none) the payload waits in host staging (`payload`, pinned where CUDA is) until `apply` puts it there
+    in one copy. It touches no engine state, so a transport may feed it off the engine's thread; `cancel`, from any
+    thread, ends its writes into the cache before the blocks are given back. Its host buffers go back to pools for
+    later transfers when the receiver is dropped: `payload` is valid as long as the receiver is referenced. A
+    transport that reads a chunk's head before its data reads the data into `chunk_memory(size)` and then
+    `receive`s the chunk with that memory as its data: the bytes are then copied once from the socket, and checked
+    where they lie (and, in place, copied once more while they are still in the processor's cache)."""
 
-    def __init__(self, handoff: Handoff, seq_id: int, block_ids: list[int], first_block: int):
+    def __init__(self, handoff: Handoff, seq_id: int, block_ids: list[int], first_block: int,
+                 kv_cache: torch.Tensor | None = None):
         self.handoff, self.seq_id = handoff, seq_id
         self.block_ids = block_ids  # the reserved blocks of the prompt, the cached leading ones included
         self.first_block = first_block  # the first block to pull: those before it are prefix-cache hits here
+        self.kv_cache = kv_cache
         self.total_bytes = (handoff.num_blocks - first_block) * handoff.layout.block_bytes
-        staging = _staging.take(self.total_bytes) if self.total_bytes else torch.empty(0, dtype=torch.uint8)
-        self.payload = staging[:self.total_bytes]
-        if self.total_bytes:
-            weakref.finalize(self, _staging.give, staging).atexit = False
-        self._begun = self.complete = False
+        self.in_place = bool(self.total_bytes) and kv_cache is not None and kv_cache.device.type == "cpu" \
+            and kv_cache.is_contiguous()  # as every executor's is
+        self.payload: torch.Tensor | None = None  # staged (not in place): the bytes received, in payload order
+        self._buffers: list[torch.Tensor] = []  # host buffers taken from `_pool`, given back when the receiver goes
+        self._pool = _chunk_buffers if self.in_place else _staging
+        weakref.finalize(self, self._pool.give_all, self._buffers).atexit = False
+        if not self.in_place:
+            self.payload = self._take(self.total_bytes)[:self.total_bytes]
+        self._begun = self.complete = self._cancelled = False
+        self._writing = threading.Lock()  # a chunk's write into the cache against `cancel`
         self._received = self._num_chunks = self._next_index = self._crc = 0
         self._landing: memoryview | None = None  # the last `chunk_memory`, until the next chunk is received
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        self._buffers.append(self._pool.take(nbytes))
+        return self._buffers[-1]
 
     @property
     def request_id(self) -> str:
@@ -377,8 +436,9 @@ class KvReceiver:
 
     def receive(self, frame: KvBegin | KvChunk | KvEnd) -> None:
         """KvTransferError when the frame does not continue this transfer as it must."""
-        if self.complete:
-            raise KvTransferError(f"request {self.request_id!r}: a frame after the transfer ended")
+        if self.complete or self._cancelled:
+            raise KvTransferError(f"request {self.request_id!r}: a frame after the transfer "
+                                  f"{'was cancelled' if self._cancelled else 'ended'}")
         if getattr(frame, "request_id", None) != self.request_id:
             raise KvTransferError(f"request {self.request_id!r}: a frame of another request "
                                   f"({getattr(frame, 'request_id', None)!r})")
@@ -394,7 +454,7 @@ class KvReceiver:
             raise KvTransferError(f"request {self.request_id!r}: unexpected frame {type(frame).__name__}")
 
     def chunk_memory(self, nbytes: int) -> memoryview:
-        """The staging memory the next chunk's `nbytes` bytes go to, for a transport to read them into; it then
+        """The host memory the next chunk's `nbytes` bytes go to, for a transport to read them into; it then
         `receive`s the chunk with this memory (the object returned) as its data, which is checked in place, not
         copied. Bytes that fail the chunk's checks, or are never received, count for nothing. KvTransferError when
         no chunk is due or they would run past the payload KvBegin announced."""
@@ -405,7 +465,14 @@ class KvReceiver:
         if nbytes < 0 or end > self.total_bytes:
             raise KvTransferError(f"request {self.request_id!r}: a chunk of {nbytes} bytes runs past the announced "
                                   f"{self.total_bytes} bytes ({self._received} received)")
-        self._landing = memoryview(self.payload.numpy()[self._received:end])
+        if self.in_place:  # a buffer of one chunk, kept from chunk to chunk: the bytes stay in the processor's cache
+            if not self._buffers or self._buffers[-1].numel() < nbytes:
+                if self._buffers:
+                    self._pool.give(self._buffers.pop())
+                self._take(max(1, nbytes))
+            self._landing = memoryview(self._buffers[-1].numpy()[:nbytes])
+        else:
+            self._landing = memoryview(self.payload.numpy()[self._received:end])
         return self._landing
 
     def _begin(self, begin: KvBegin) -> None:
@@ -427,15 +494,26 @@ class KvReceiver:
         if end > self.total_bytes or index >= self._num_chunks:
             raise KvTransferError(f"request {self.request_id!r}: chunk {index} runs past the announced "
                                   f"{self.total_bytes} bytes in {self._num_chunks} chunks")
-        # checked where it lands: the staging bytes count only once the checksum holds, and are still cached
-        staged = self.payload.numpy()[self._received:end]
         landed, self._landing = data is self._landing, None
-        if not landed:  # else read there by the transport: `chunk_memory`
-            staged[:] = np.frombuffer(data, dtype=np.uint8)
-        if chunk_checksum(staged) != chunk.checksum:
-            raise KvTransferError(f"request {self.request_id!r}: chunk {index} fails its checksum")
+        if self.in_place:  # checked where it lies, then written into its blocks while it is still cached
+            received = np.frombuffer(data, dtype=np.uint8)
+            self._check(index, received, chunk.checksum)
+            with self._writing:
+                if self._cancelled:
+                    raise KvTransferError(f"request {self.request_id!r}: the import was cancelled")
+                write_payload_part(self.kv_cache, self.block_ids[self.first_block:self.handoff.num_blocks],
+                                   self._received, received)
+        else:  # checked where it lands: the staging bytes count only once the checksum holds, and are still cached
+            staged = self.payload.numpy()[self._received:end]
+            if not landed:  # else read there by the transport: `chunk_memory`
+                staged[:] = np.frombuffer(data, dtype=np.uint8)
+            self._check(index, staged, chunk.checksum)
         self._received, self._crc = end, _chain(self._crc, chunk.checksum)
         self._next_index += 1
+
+    def _check(self, index: int, data: np.ndarray, checksum: int) -> None:
+        if chunk_checksum(data) != checksum:
+            raise KvTransferError(f"request {self.request_id!r}: chunk {index} fails its checksum")
 
     def _end(self, end: KvEnd) -> None:
         if self._next_index != self._num_chunks or end.num_chunks != self._num_chunks \
@@ -445,3 +523,20 @@ class KvReceiver:
         if end.checksum != self._crc:
             raise KvTransferError(f"request {self.request_id!r}: the payload fails its checksum")
         self.complete = True
+
+    def apply(self) -> None:
+        """Puts a complete transfer's bytes into the reserved blocks of `kv_cache`: in place they are there already;
+        staged, they go in one indexed copy (`write_blocks`: on a device one DMA of the pinned payload, then a
+        copy on the device). KvTransferError when the transfer is not complete."""
+        if not self.complete:
+            raise KvTransferError(f"request {self.request_id!r}: the KV transfer is not complete")
+        if self.total_bytes and not self.in_place:
+            if self.kv_cache is None:
+                raise KvTransferError(f"request {self.request_id!r}: no KV cache to put its payload in")
+            write_blocks(self.kv_cache, self.block_ids[self.first_block:self.handoff.num_blocks], self.payload)
+
+    def cancel(self) -> None:
+        """Ends the transfer here, from any thread: once this returns no chunk is written into the cache any more,
+        and any frame received after it is refused, so its blocks may be given back."""
+        with self._writing:
+            self._cancelled = True

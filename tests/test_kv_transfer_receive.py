@@ -26,15 +26,16 @@ WAIT_S = 30.0
 
 
 class Spy(KvReceiver):
-    """A receiver that notes, of each chunk it receives, whether its data is memory it gave out (`chunk_memory`)."""
+    """A receiver that notes, of each chunk it receives, whether its data is memory it gave out (`chunk_memory`).
+    Into `kv_cache` (the chunks written into its blocks as they come) or staged (none)."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, kv_cache: torch.Tensor | None = None):
         layout = KvLayout.of_cache(CACHE, BLOCK_SIZE)
         handoff = Handoff(request_id, [0] * (len(BLOCKS) * BLOCK_SIZE), 0, SamplingParams(), SLO(1.0, 0.1), "t",
                           0.0, 0.0, None, 0, 0, layout, len(BLOCKS))
-        super().__init__(handoff, 0, BLOCKS, 0)
+        super().__init__(handoff, 0, BLOCKS, 0, kv_cache)
         self.given: list[memoryview] = []
-        self.in_place: list[bool] = []
+        self.landed: list[bool] = []
 
     def chunk_memory(self, nbytes: int) -> memoryview:
         self.given.append(super().chunk_memory(nbytes))
@@ -42,7 +43,7 @@ class Spy(KvReceiver):
 
     def receive(self, frame) -> None:
         if isinstance(frame, KvChunk):
-            self.in_place.append(any(frame.data is memory for memory in self.given))
+            self.landed.append(any(frame.data is memory for memory in self.given))
         super().receive(frame)
 
 
@@ -98,6 +99,10 @@ async def pull(receiver: KvReceiver, data: bytes, pieces_seed: int = 0) -> None:
         server.close()
 
 
+def empty_cache() -> torch.Tensor:
+    return torch.zeros_like(CACHE)
+
+
 @pytest.mark.parametrize("chunk_bytes", [100, 1000, 4096])
 @pytest.mark.parametrize("pieces_seed", [0, 1])
 def test_each_chunk_is_read_into_its_place_in_staging(chunk_bytes, pieces_seed):
@@ -106,8 +111,23 @@ def test_each_chunk_is_read_into_its_place_in_staging(chunk_bytes, pieces_seed):
     receiver = Spy("r")
     data, starts, _ = wire("r", chunk_bytes)
     asyncio.run(pull(receiver, data, pieces_seed))
-    assert receiver.complete and len(receiver.in_place) == len(starts) > 3 and all(receiver.in_place)
+    assert receiver.complete and len(receiver.landed) == len(starts) > 3 and all(receiver.landed)
     assert receiver.payload.numpy().tobytes() == read_blocks(CACHE, BLOCKS).tobytes()
+
+
+@pytest.mark.parametrize("chunk_bytes", [100, 1000, 4096])
+def test_each_chunk_read_for_a_cpu_cache_lands_in_its_blocks_and_no_other(chunk_bytes):
+    """Into a CPU cache every chunk is read into the receiver's memory, checked there and written into its blocks
+    (scattered, the chunks cut across rows and blocks): the blocks hold what was sent, the others are untouched."""
+    cache = empty_cache()
+    receiver = Spy("r", cache)
+    data, starts, _ = wire("r", chunk_bytes)
+    asyncio.run(pull(receiver, data, pieces_seed=1))
+    assert receiver.in_place and receiver.payload is None
+    assert receiver.complete and len(receiver.landed) == len(starts) > 3 and all(receiver.landed)
+    receiver.apply()
+    assert torch.equal(cache[:, :, BLOCKS], CACHE[:, :, BLOCKS])
+    assert not cache[:, :, [b for b in range(cache.shape[2]) if b not in BLOCKS]].view(torch.uint8).any()
 
 
 def test_a_chunk_whose_head_is_longer_than_the_first_read_is_decoded_whole():
@@ -116,7 +136,7 @@ def test_a_chunk_whose_head_is_longer_than_the_first_read_is_decoded_whole():
     receiver = Spy(request_id)
     data, starts, _ = wire(request_id, 1000)
     asyncio.run(pull(receiver, data))
-    assert receiver.complete and len(receiver.in_place) == len(starts) and not any(receiver.in_place)
+    assert receiver.complete and len(receiver.landed) == len(starts) and not any(receiver.landed)
     assert receiver.payload.numpy().tobytes() == read_blocks(CACHE, BLOCKS).tobytes()
 
 
@@ -125,7 +145,21 @@ def test_a_corrupted_chunk_read_into_staging_is_refused():
     data, _, _ = wire("r", 1000, flip_chunk=2)
     with pytest.raises(KvTransferError, match="chunk 2 fails its checksum"):
         asyncio.run(pull(receiver, data))
-    assert not receiver.complete and receiver.in_place == [True] * 3
+    assert not receiver.complete and receiver.landed == [True] * 3
+
+
+def test_a_corrupted_chunk_for_a_cpu_cache_is_refused_and_not_written():
+    """The chunks before it are in their blocks; not a byte of it or after it is."""
+    cache = empty_cache()
+    receiver = Spy("r", cache)
+    data, _, _ = wire("r", 1000, flip_chunk=2)
+    with pytest.raises(KvTransferError, match="chunk 2 fails its checksum"):
+        asyncio.run(pull(receiver, data))
+    assert not receiver.complete and receiver.landed == [True] * 3
+    with pytest.raises(KvTransferError, match="not complete"):
+        receiver.apply()
+    landed = read_blocks(cache, BLOCKS)
+    assert landed[:2000].tobytes() == read_blocks(CACHE, BLOCKS)[:2000].tobytes() and not landed[2000:].any()
 
 
 @pytest.mark.parametrize("cut, error, message", [

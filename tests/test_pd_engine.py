@@ -355,27 +355,49 @@ def prefilled(llama_tiny, pair, request_id: str, length: int, seed: int):
     return pair.prefill.handoff(request_id)
 
 
-def test_chunks_read_into_staging_land_in_their_blocks(llama_tiny, pair):
-    """Chunks not aligned to blocks, their data put where `chunk_memory` says: the staging payload is the sent
-    bytes, and `finish_import` puts them in the reserved blocks, the prefix-cached leading ones left as they were."""
-    handoff = prefilled(llama_tiny, pair, "staged", 45, seed=7)
+def test_chunks_read_into_chunk_memory_land_in_their_blocks_as_they_come(llama_tiny, pair):
+    """Chunks not aligned to blocks, their data put where `chunk_memory` says, on a CPU cache: each chunk is in its
+    reserved blocks once received, the rest of the cache (the prefix-cached leading blocks included) as it was."""
+    vocab = llama_tiny[1].config.vocab_size
+    shared = random_prompts(vocab, [24], seed=17)[0]
+    pair.generate([shared + random_prompts(vocab, [5], seed=18)[0]], GREEDY)  # its 3 full blocks cached on both
+    pair.prefill.add_request("staged", shared + random_prompts(vocab, [21], seed=7)[0], GREEDY)
+    run(pair.prefill)
+    handoff = pair.prefill.handoff("staged")
+    before = pair.decode.executor.kv_cache.clone()
     receiver = pair.decode.reserve_import(handoff)
+    pulled = receiver.block_ids[receiver.first_block:handoff.num_blocks]
+    assert receiver.first_block == 3 and receiver.in_place and receiver.payload is None
     frames = list(pair.prefill.export_kv("staged", receiver.first_block, max_chunk_bytes=300))
     sent = b"".join(bytes(f.data) for f in frames if isinstance(f, KvChunk))
     assert len(frames) > 5 and len(sent) == receiver.total_bytes
-    staged(receiver, frames)
-    assert receiver.complete and receiver.payload.numpy().tobytes() == sent
+    for frame in frames:
+        staged(receiver, [frame])
+        if isinstance(frame, KvChunk):  # this chunk and those before it are in their blocks, nothing after them
+            landed = read_blocks(pair.decode.executor.kv_cache, pulled)
+            end = sum(len(f.data) for f in frames[1:frame.index + 2])
+            assert landed[:end].tobytes() == sent[:end]
+            assert landed[end:].tobytes() == read_blocks(before, pulled)[end:].tobytes()
+    others = [b for b in range(before.shape[2]) if b not in pulled]
+    assert torch.equal(pair.decode.executor.kv_cache[:, :, others].view(torch.uint8),
+                       before[:, :, others].view(torch.uint8))
     pair.decode.finish_import(receiver)
-    landed = read_blocks(pair.decode.executor.kv_cache, receiver.block_ids[receiver.first_block:handoff.num_blocks])
-    assert landed.tobytes() == sent
+    assert read_blocks(pair.decode.executor.kv_cache, pulled).tobytes() == sent
     pair.prefill.release_handoff("staged")
     run(pair.decode)
 
 
-def test_a_corrupted_chunk_read_into_staging_is_refused_and_never_applied(llama_tiny, pair):
-    handoff = prefilled(llama_tiny, pair, "flipped", 40, seed=8)
+def test_a_corrupted_chunk_is_refused_and_what_came_before_it_never_decodes(llama_tiny, pair):
+    """The chunk before it is written into the reserved blocks (a CPU cache); the import fails, the blocks go back
+    with no prefix-cache entry naming them, and the same prompt later is computed afresh, as a co-located engine
+    computes it. Nothing outside the reserved blocks changed."""
+    prompt = random_prompts(llama_tiny[1].config.vocab_size, [40], seed=8)[0]
+    pair.prefill.add_request("flipped", prompt, GREEDY)
+    run(pair.prefill)
+    handoff = pair.prefill.handoff("flipped")
     decode_free, cache = pair.decode.blocks.num_free_blocks(), pair.decode.executor.kv_cache.clone()
     receiver = pair.decode.reserve_import(handoff)
+    reserved = receiver.block_ids
     frames = list(pair.prefill.export_kv("flipped", receiver.first_block, max_chunk_bytes=256))
 
     def flip(index: int, memory: memoryview) -> None:
@@ -384,13 +406,43 @@ def test_a_corrupted_chunk_read_into_staging_is_refused_and_never_applied(llama_
 
     with pytest.raises(KvTransferError, match="chunk 1 fails its checksum"):
         staged(receiver, frames, flip)
-    assert not receiver.complete
+    assert not receiver.complete and receiver.first_block == 0
+    landed = read_blocks(pair.decode.executor.kv_cache, reserved[:handoff.num_blocks])
+    assert landed[:256].tobytes() == bytes(frames[1].data)  # chunk 0 is in its block
+    assert landed[256:].tobytes() == read_blocks(cache, reserved[:handoff.num_blocks])[256:].tobytes()
     with pytest.raises(KvTransferError, match="not complete"):
         pair.decode.finish_import(receiver)
     pair.decode.cancel_import(receiver)
-    assert torch.equal(pair.decode.executor.kv_cache.view(torch.uint8), cache.view(torch.uint8))  # NaNs too
+    others = [b for b in range(cache.shape[2]) if b not in reserved]
+    assert torch.equal(pair.decode.executor.kv_cache[:, :, others].view(torch.uint8),
+                       cache[:, :, others].view(torch.uint8))  # NaNs too
     assert pair.decode.blocks.num_free_blocks() == decode_free and not pair.decode.imports
     pair.prefill.release_handoff("flipped")
+    pair.decode.add_request("again", prompt, GREEDY)  # a decode engine prefills what it is given as a new request
+    again = run(pair.decode)["again"][-1]
+    assert again.num_cached_tokens == 0
+    assert again.token_ids == colocated(llama_tiny[0], [prompt], GREEDY, **ENGINE)[0].token_ids
+
+
+def test_a_cancelled_receiver_writes_nothing_more_and_refuses_what_comes():
+    """`cancel` (the engine giving the blocks back, from its thread) ends the writes into the cache: a chunk after
+    it is refused and its bytes go nowhere. In place too with a resumed first block and scattered block ids: the
+    chunks land in the blocks from the first pulled one, the leading one untouched."""
+    layout = KvLayout(2, 1, 8, 4, "float32")  # 512-byte blocks: rows of 128 bytes
+    cache = torch.zeros(2, 2, 8, 4, 1, 8)
+    handoff = Handoff("c", [0] * 12, 0, SamplingParams(), SLO(1.0, 0.1), "t", 0.0, 0.0, None, 0, 0, layout, 3)
+    receiver = KvReceiver(handoff, 0, [4, 6, 1, 7], 1, cache)
+    assert receiver.in_place and receiver.total_bytes == 1024
+    data = np.random.default_rng(5).integers(1, 256, 1024, dtype=np.uint8)
+    receiver.receive(KvBegin("c", layout, 1, 3, 1024, 2))
+    staged(receiver, [KvChunk("c", 0, chunk_checksum(data[:700]), memoryview(data[:700]))])
+    landed = read_blocks(cache, [6, 1])
+    assert landed[:700].tobytes() == data[:700].tobytes() and not landed[700:].any()
+    assert not cache[:, :, [0, 2, 3, 4, 5, 7]].any()
+    receiver.cancel()
+    with pytest.raises(KvTransferError, match="after the transfer was cancelled"):
+        receiver.receive(KvChunk("c", 1, chunk_checksum(data[700:]), memoryview(data[700:])))
+    assert not read_blocks(cache, [6, 1])[700:].any()
 
 
 def zlib_chain(checksums: list[int]) -> int:
