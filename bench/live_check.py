@@ -9,7 +9,8 @@ Per prediction-error preset (scheduler/prediction_error.py):
    at 4 instances: the Llama-3.1-8B/H200 roofline times --time-scale (the default tiers derived from it, so they
    scale too), the conv-4tier workload, Poisson arrivals over --duration seconds, attainment of the requests
    arriving after --warmup, batch limits and KV pool as SimConfig's defaults, every request's output length known
-   (the live replay sends max_tokens = its output length, ignore_eos).
+   (the live replay sends max_tokens = its output length, ignore_eos), the router's and the engines' margins at the
+   headline rule's headroom target (bench.goodput.RULE_HEADROOM_TARGETS), on both sides.
 2. The live fleet: 4 `cluster.worker` processes whose emulated executors sleep the preset's truth (their draws
    seeded by --seed and their instance ids), behind the router service (cluster.sim.calibration.replay_on_fleet),
    the workload of --seed at --load x that goodput sent in real time, then drained. The simulator runs the same
