@@ -166,19 +166,25 @@ class BuiltSetup:
     workloads: WorkloadFactory
 
 
-@functools.cache
 def build_setup(setup: Setup) -> BuiltSetup:
-    """`setup` built once per process: a forked worker keeps what its parent built and builds the rest itself."""
-    model = ProfileTable.load(setup.latency_profile) if setup.latency_profile else emulated_latency_model()
-    tiers, workloads = _workloads(setup, model, SimConfig())
+    """`setup` built: what depends on its workload and latency profile only (not on its window, error or headroom),
+    so that the setups of one workload share it."""
+    return _built(setup.workload, setup.latency_profile)
+
+
+@functools.cache
+def _built(workload: WorkloadSpec, latency_profile: str | None) -> BuiltSetup:
+    """Built once per process: a forked worker keeps what its parent built and builds the rest itself."""
+    model = ProfileTable.load(latency_profile) if latency_profile else emulated_latency_model()
+    tiers, workloads = _workloads(workload, model, SimConfig())
     return BuiltSetup(model, tiers, workloads)
 
 
-def _workloads(setup: Setup, model: LatencyModel, config: SimConfig) -> tuple[TierSet, WorkloadFactory]:
-    """The default tiers of `model`, and workloads of `setup`'s trace and mix for a deployment as `config`."""
+def _workloads(workload: WorkloadSpec, model: LatencyModel, config: SimConfig) -> tuple[TierSet, WorkloadFactory]:
+    """The default tiers of `model`, and workloads of `workload`'s trace and mix for a deployment as `config`."""
     tiers = default_tiers(model)
-    return tiers, WorkloadFactory(load_trace(setup.workload.trace), tiers, model, config.kv_blocks * config.block_size,
-                                  config.max_prefill_chunk, TierMix(setup.workload.mix))
+    return tiers, WorkloadFactory(load_trace(workload.trace), tiers, model, config.kv_blocks * config.block_size,
+                                  config.max_prefill_chunk, TierMix(workload.mix))
 
 
 def co_chunk_budget(model, tiers, bound: FluidBound) -> int:
@@ -435,7 +441,7 @@ class CalibrationJob:
 
         model = scaled(build_setup(self.setup).model, self.time_scale)
         cfg = SimConfig(num_instances=1, router_policy="round-robin", reveal_output_len=True)
-        tiers, workloads = _workloads(self.setup, model, cfg)
+        tiers, workloads = _workloads(self.setup.workload, model, cfg)
         w = workloads.poisson(self.rate, self.duration, self.seed)
         with tempfile.TemporaryDirectory() as folder:
             live = replay_on_engine(w, model, cfg.batch_policy(model), write_emulated_model_folder(folder),
@@ -495,7 +501,7 @@ def run_fleet_calibration(setup: Setup, time_scale: float, num_instances: int, l
     model = emulated_latency_model(time_scale)
     engines = num_instances + prefill_instances
     cfg = SimConfig(num_instances=engines, reveal_output_len=True)
-    tiers, workloads = _workloads(setup, model, cfg)
+    tiers, workloads = _workloads(setup.workload, model, cfg)
     rate = load * setup.bound().rate(num_instances) / time_scale
     w = workloads.poisson(rate, duration, seed)
     with tempfile.TemporaryDirectory() as folder:

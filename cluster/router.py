@@ -294,6 +294,8 @@ class Router:
         return decision
 
     def on_report(self, instance_id: str, report: InstanceReport, now: float) -> None:
+        if self.autoscaler is not None and self.roles.get(instance_id) == "decode":
+            self.autoscaler.decode_tokens.add(now, sum(step.num_decode_seqs for step in report.steps))
         view = self.fleet.instances.get(instance_id)
         if view is None or view.status is InstanceStatus.DEAD:
             return

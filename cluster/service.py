@@ -29,9 +29,9 @@ around the pure `Router` and `Autoscaler` (DESIGN.md §5). This file owns every 
   `max_transfer_attempts`; then, or when the prefill side holds it no more, or when the decode instance is lost
   after it streamed, the stream migrates (prefilled again, as any stream whose instance failed). A client that
   leaves mid-way has the prefill side's hold aborted too. Every prompt sent to a prefill instance feeds the
-  autoscaler's prefill token rate, every decode instance's step report its decode token rate, and every hand-off
-  its KV byte rate; the plan's prefill starts raise the launcher's prefill target, and its stops drain idle prefill
-  instances as decode ones, never one still holding a hand-off's KV.
+  autoscaler's prefill token rate, every hand-off its KV byte rate (and every decode instance's step report its
+  decode token rate, through the router); the plan's prefill starts raise the launcher's prefill target, and its
+  stops drain idle prefill instances as decode ones, never one still holding a hand-off's KV.
 """
 from __future__ import annotations
 
@@ -448,9 +448,6 @@ class RouterService:
             last = steps[-1]
             self.router.on_report(instance_id, InstanceReport(link.to_router_clock(last.start + last.duration),
                                                               last.num_blocks_used, msg.residents, steps), now)
-            autoscaler = self.router.autoscaler
-            if autoscaler is not None and self.router.roles.get(instance_id) == "decode":
-                autoscaler.decode_tokens.add(now, sum(t.num_decode_seqs for t in steps))
             if self.metrics is not None:
                 total = max(1, msg.num_total_blocks)
                 for t in steps:

@@ -312,11 +312,9 @@ class Engine:
         rid, h = receiver.request_id, receiver.handoff
         if self.imports.get(rid) is not receiver:
             raise KvTransferError(f"request {rid!r} has no reservation here (cancelled or applied already)")
-        if not receiver.complete:
-            raise KvTransferError(f"request {rid!r}: the KV transfer is not complete")
+        receiver.apply()  # KvTransferError, nothing marked, when the transfer is not complete
         detok, generator, grammar = self._continuation(h.params, [h.first_token])
         num_prompt = len(h.prompt_token_ids)
-        receiver.apply()
         del self.imports[rid]
         self.blocks.mark_computed(receiver.seq_id, num_prompt)
         req = Request(rid, receiver.seq_id, list(h.prompt_token_ids), h.params, h.arrival, slo=h.slo, tier=h.tier,

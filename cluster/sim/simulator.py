@@ -18,9 +18,9 @@ It is what cluster/service.py does with messages, done with method calls:
   time (scheduler/transfer.py) and the request joins that instance's queue with its prompt computed; the prefill
   instance frees its blocks as the transfer ends; queued, the hand-off waits in the router's queue; with
   `autoscale`, every prompt placed on a prefill instance feeds the autoscaler's prefill token rate, every decode
-  instance's reported steps its decode token rate and every hand-off its KV byte rate, as the service's do, and
-  its plan (the reports synced first, as the service hears them as they come) starts prefill instances and stops
-  idle ones as it does decode instances (one holding a hand-off's KV is kept);
+  instance's reported steps its decode token rate (through the router) and every hand-off its KV byte rate, as the
+  service's do, and its plan (the reports synced first, as the service hears them as they come) starts prefill
+  instances and stops idle ones as it does decode instances (one holding a hand-off's KV is kept);
 - a finish is `router.on_finished`, then `retry_queued`; a periodic tick (the service's 50 ms) retries the queues
   and asks the autoscaler for a plan: instances it starts are ready after `cold_start_s`, the ones it stops drain
   first and are removed once empty.
@@ -50,7 +50,7 @@ from scheduler.online_fit import OnlineLatencyModel
 from scheduler.policy import BATCH_POLICIES, make_batch_policy
 from scheduler.prediction_error import EXACT, PredictionError, StepTruth
 from scheduler.roofline import kv_blocks_for_gpu
-from scheduler.types import BatchPolicy, StepStats
+from scheduler.types import BatchPolicy
 
 ARRIVAL, TRANSFER_END, STEP_EVENT, READY_EVENT, TICK = 0, 1, 2, 3, 4  # same-instant order
 
@@ -483,10 +483,9 @@ class Simulator:
                 heard = inst.report
                 if heard is not None and heard.num_steps != reported[inst.index]:
                     reported[inst.index] = heard.num_steps
-                    steps = inst.take_unreported_steps(heard.num_steps)
                     router.on_report(inst.instance_id, InstanceReport(
-                        heard.iteration_end, heard.num_blocks_used, heard.residents, steps), now)
-                    self._count_decoded(inst, steps, now)
+                        heard.iteration_end, heard.num_blocks_used, heard.residents,
+                        inst.take_unreported_steps(heard.num_steps)), now)
             return
         for inst in self._by_index:
             if inst.state == IDLE and inst.num_steps == reported[inst.index]:
@@ -494,17 +493,10 @@ class Simulator:
             inst.sync(now)
             if inst.num_steps != reported[inst.index]:
                 reported[inst.index] = inst.num_steps
-                steps = inst.take_unreported_steps()
                 router.on_report(inst.instance_id, InstanceReport(inst.last_end,
                                                                   inst.num_total_blocks - inst.free_blocks,
-                                                                  inst.running + inst.waiting, steps), now)
-                self._count_decoded(inst, steps, now)
-
-    def _count_decoded(self, inst: SimInstance, steps: list[StepStats], now: float) -> None:
-        """A decode instance's reported steps feed the autoscaler's decode token rate."""
-        autoscaler = self.router.autoscaler
-        if autoscaler is not None and self.router.roles.get(inst.instance_id) == "decode":
-            autoscaler.decode_tokens.add(now, sum(step.num_decode_seqs for step in steps))
+                                                                  inst.running + inst.waiting,
+                                                                  inst.take_unreported_steps()), now)
 
     # ---- fleet -----------------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
