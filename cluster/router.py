@@ -65,6 +65,7 @@ class Outcome(enum.Enum):
 class How(enum.Enum):
     OWN = "own"  # an instance of its own tier
     PROMOTED = "promoted"  # an instance of a tighter tier
+    DEMOTED = "demoted"  # an instance of a looser tier, held to this request's tier while it is there
     SCALED_UP = "scaled_up"  # an idle instance that joined its tier for it
     PREFILL = "prefill"  # a prefill instance, which hands it off at its first token
     BASELINE = "baseline"  # chosen by a baseline policy
@@ -108,7 +109,8 @@ class Router:
                  autoscaler: Autoscaler | None = None, queue_limit: int = 256, max_prefill_chunk: int = 2048,
                  expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000,
                  gradient: bool = True, promotion: str = "lazy", shed_late: bool = True,
-                 transfer: TransferModel | None = None, headroom_target: float = DEFAULT_TARGET):
+                 transfer: TransferModel | None = None, headroom_target: float = DEFAULT_TARGET,
+                 demotion: bool = True):
         """`latency_model` is where the router's predictions start: it refines them from the steps the instances
         report (`OnlineLatencyModel`), and holds each tier's instances to the tier's TPOT less a margin fed back
         from its requests' outcomes (`Headroom`), as each engine does for its chunks (DESIGN.md §2, learning under
@@ -126,6 +128,12 @@ class Router:
         pool (the paper's order, DESIGN.md §2), "none" never places on a tighter tier, "eager" tries the tighter
         tiers (nearest first) before the request's own.
 
+        `demotion`: a request that fits on no instance of its own tier, the idle pool or a tighter tier goes on a
+        looser tier's instance that attains it, nearest tier first and the least loaded first, rather than wait:
+        that instance is then held to the request's tighter TPOT while it is there (the test reads every
+        instance's pace from its tightest resident), which costs it batch for its own tier. Partitioning pays when
+        a tier fills its instances; where it holds too few to absorb its bursts (a small fleet, a tier with a small
+        share), its requests would queue beside room on looser instances that mixing would have used.
         `transfer`: how long a hand-off's KV takes from a prefill to a decode instance (None: no time), which the
         prefill placement reserves before the first-token deadline and the decode placement waits for.
 
@@ -158,7 +166,7 @@ class Router:
         self.counts: Counter[str] = Counter()  # totals of every event kind
         self._tier_tpot_ms = [t.tpot_ms for t in tiers]
         # per tier: the tiers to scan before the idle pool, and after it (tighter ones nearest first)
-        self._tier_orders = [_scan_orders(k, promotion) for k in range(len(tiers))]
+        self._tier_orders = [_scan_orders(k, len(tiers), promotion, demotion) for k in range(len(tiers))]
         self._rng = random.Random(seed)
         self._round_robin = 0
         # prefill/decode disaggregation: the instances of role prefill or decode (the rest do both), and the
@@ -466,15 +474,17 @@ class Router:
 
     def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot, early: float,
                   now: float) -> tuple[InstanceView, How] | None:
-        fits, members, queues = self._fits, self.fleet.members, self.queues
+        fits, members, queues, own = self._fits, self.fleet.members, self.queues, req.tier_index
         ready = InstanceStatus.READY
         for tier in tiers:
-            if tier != req.tier_index and queues[tier]:
-                continue  # a tier whose own requests wait for room lends none to looser ones
-            tpot = self._budget_ms(tier)
-            for view in sorted(members[tier], key=_load, reverse=self.gradient):
-                if view.status is ready and fits(view, tpot, req, snap, now, early):
-                    return view, How.OWN if tier == req.tier_index else How.PROMOTED
+            if tier != own and queues[tier]:
+                continue  # a tier whose own requests wait for room lends none to other tiers'
+            how = How.OWN if tier == own else How.PROMOTED if tier < own else How.DEMOTED
+            # demoted: the least loaded first, whose batch the request's tighter pace cuts least
+            for view in sorted(members[tier], key=_load, reverse=self.gradient and how is not How.DEMOTED):
+                if view.status is ready and fits(view, self._budget_ms(self._held_tier(view, own)), req, snap, now,
+                                                 early):
+                    return view, how
         return None
 
     def _scale_up(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
@@ -517,12 +527,12 @@ class Router:
 
     def _members_of(self, tiers: tuple[int, ...], own: int) -> list[tuple[InstanceView, How, float]]:
         """The instances of `tiers` that a request of tier `own` may go on (as `_place_in` scans them), each with
-        how it would go there and the TPOT budget it is held to."""
+        how it would go there and the TPOT budget it would be held to."""
         out = []
         for tier in tiers:
             if tier == own or not self.queues[tier]:
-                how, budget = How.OWN if tier == own else How.PROMOTED, self._budget_ms(tier)
-                out += [(view, how, budget) for view in self.fleet.members[tier]]
+                how = How.OWN if tier == own else How.PROMOTED if tier < own else How.DEMOTED
+                out += [(view, how, self._budget_ms(self._held_tier(view, own))) for view in self.fleet.members[tier]]
         return out
 
     def _least_loaded_attaining(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
@@ -533,9 +543,7 @@ class Router:
         fits, own = self._fits, req.tier_index
         ready = InstanceStatus.READY
         for view in sorted((v for v in self.fleet.instances.values() if v.status is ready), key=_load):
-            tightest = min(view.residents_per_tier, default=own)
-            budget = self._budget_ms(tightest if tightest < own else own)
-            if fits(view, budget, req, snap, now, early):
+            if fits(view, self._budget_ms(self._held_tier(view, own)), req, snap, now, early):
                 return view
         return None
 
@@ -666,7 +674,7 @@ class Router:
         summary = view.summary
         summary.rebuild()
         if view.tier is not None:
-            summary.decode_chunk(self.model, self._budget_ms(view.tier) / 1000.0, self.max_prefill_chunk)
+            summary.decode_chunk(self.model, self._budget_ms(self._held_tier(view)) / 1000.0, self.max_prefill_chunk)
         view.kv_tokens = summary.kv_residents
         self._update_load(view)
 
@@ -675,11 +683,19 @@ class Router:
         return self.headroom[tier].budget_ms(self._tier_tpot_ms[tier])
 
     def _held_to(self, view: InstanceView, req: RoutedRequest) -> int:
-        """The tier whose TPOT (and headroom) `view` is held to while it hosts `req`: its tier label; without one
-        (the baselines, or an instance back in the idle pool), the tightest tier among its residents."""
-        if view.tier is not None:
-            return view.tier
-        return min(view.residents_per_tier, default=req.tier_index)
+        """The tier whose TPOT (and headroom) `view` is held to while it hosts `req`."""
+        return self._held_tier(view, req.tier_index)
+
+    @staticmethod
+    def _held_tier(view: InstanceView, tier: int | None = None) -> int | None:
+        """The tier whose TPOT `view` is held to (with a request of `tier` on it, if given): the tightest of its
+        tier label and its residents' tiers (a demoted request's is tighter than the label); None with none."""
+        held = min(view.residents_per_tier, default=tier)
+        if view.tier is not None and (held is None or view.tier < held):
+            held = view.tier
+        if tier is not None and tier < held:
+            held = tier
+        return held
 
     def _update_load(self, view: InstanceView) -> None:
         """Load: the predicted iteration of the instance's residents, every one decoding at its current context; a
@@ -702,7 +718,10 @@ class Router:
 _load = attrgetter("load")
 
 
-def _scan_orders(tier: int, promotion: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _scan_orders(tier: int, num_tiers: int, promotion: str,
+                 demotion: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tiers a request of `tier` is tried on before the idle pool, and after it."""
     own, tighter = (tier,), tuple(range(tier - 1, -1, -1))
-    return {"lazy": (own, tighter), "before-scale-up": (own + tighter, ()), "none": (own, ()),
-            "eager": (tighter + own, ())}[promotion]
+    before, after = {"lazy": (own, tighter), "before-scale-up": (own + tighter, ()), "none": (own, ()),
+                     "eager": (tighter + own, ())}[promotion]
+    return before, after + (tuple(range(tier + 1, num_tiers)) if demotion else ())

@@ -172,6 +172,45 @@ def test_promotion_is_judged_at_the_host_tier_tpot():
     assert d.outcome is Outcome.QUEUED and len(router.fleet["h"].residents) == 4
 
 
+def test_demotion_is_tried_last_and_holds_the_looser_instance_to_the_tighter_tpot():
+    """A request that fits nowhere in its own tier, the idle pool or a tighter tier goes on a looser tier's
+    instance that attains it at the request's TPOT, and that instance is then held to it: its own tier's next
+    request is judged at the tighter TPOT there."""
+    # 100-token requests decoding: four predict 3.59 ms, five 3.60 ms, over the host tier's 3.6 ms TPOT
+    tiers = TierSet([Tier("host", 3.6, 500), Tier("std", 50, 1000)])
+
+    def fleet(num_std: int, **switches) -> Router:
+        router = Router(tiers, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=16,
+                                                                           idle_pool=0)), **switches)
+        ready(router, "t", "s")
+        for rid, tier, iid in [(f"h{i}", 0, "t") for i in range(4)] + [(f"s{i}", 1, "s") for i in range(num_std)]:
+            assert router.submit(request(rid, tier, prompt=100, tiers=tiers), 0.0).instance_id == iid
+            decoding(router, 0.0)  # each placed into a fleet whose residents decode
+        return router
+
+    def decoding(router: Router, now: float) -> None:
+        for iid in ("t", "s"):
+            router.on_report(iid, InstanceReport(now, 30, [Resident(rid, 100, 100, 1)
+                                                           for rid in router.fleet[iid].residents]), now)
+
+    # the host tier's instance is full at its TPOT; the std one holds three, so a fourth sequence fits 3.6 ms
+    router = fleet(3)
+    d = router.submit(request("x", 0, prompt=100, tiers=tiers), 0.01)
+    assert (d.outcome, d.instance_id, d.how) == (Outcome.PLACED, "s", How.DEMOTED)
+    assert router.fleet["s"].tier == 1 and router.counts["demoted"] == 1
+    decoding(router, 0.01)
+    y = request("y", 1, prompt=100, tiers=tiers)
+    assert router.checker.check(state(router, "s", 50.0), y.snapshot(0.01), 0.01).ok  # it would fit at std's TPOT
+    assert router.submit(y, 0.01).outcome is Outcome.QUEUED  # but "s" is held to the host's now
+    router.on_finished("x", 5, 0.02)
+    assert [(p.request.request_id, p.instance_id) for p in router.retry_queued(0.02)] == [("y", "s")]
+
+    # four std sequences and the request would be five at 3.6 ms: not demoted there
+    assert fleet(4).submit(request("x", 0, prompt=100, tiers=tiers), 0.01).outcome is Outcome.QUEUED
+    # without demotion the request waits even where it would fit
+    assert fleet(3, demotion=False).submit(request("x", 0, prompt=100, tiers=tiers), 0.01).outcome is Outcome.QUEUED
+
+
 def test_scale_up_takes_an_idle_instance_into_the_tier_and_respects_its_cap():
     router = make_router(max_per_tier=2)
     ready(router, "s0", "idle0", "idle1")
