@@ -5,32 +5,36 @@
                                 [--repeats 3] [--max-bytes 1073741824]
 
 One request's prompt KV, in a cache of the model's shape whose blocks lie scattered (a shuffled block table), goes
-from a sender process to this one over asyncio on 127.0.0.1. The KV path is the cluster's pull (cluster/worker.py):
-the sender reads the blocks and frames them (`stream_blocks`), writes each frame as a cluster protocol `KvData` frame
-(`encode_kv_data`: its head, then the chunk's data from where it lies) and drains; this side reads them as the
-decode worker does (`protocol.PullReader.read_message`: a chunk's head, then its data straight into the
-`KvReceiver`'s memory, checked there) into a receiver on a cache tensor of its own, as a decode engine's (each
-checked chunk written into its blocks as it comes), and applies the complete transfer (`KvReceiver.apply`, as
-`Engine.finish_import` does). The plain copy sends the same bytes from one contiguous buffer in chunks of the same
-size, unframed and unchecked, into one preallocated buffer here: what the socket and the event loop allow these two
-processes (the KV frames come over a connection of their own). Each repeat runs the plain copy and then the KV
-transfer; both are timed on this side, from the request to the sender until the last byte is in place; the median
-of the repeats is reported.
+from a sender process to this one over 127.0.0.1. The KV path is the cluster's pull (cluster/worker.py): the sender
+frames the blocks (`stream_blocks(...).pieces()`: each chunk the cache's rows, checksummed where they lie) and
+writes them as cluster protocol `KvData` frames from its asyncio connection's socket on a thread
+(`protocol.send_kv_frames`: `sendmsg` of each head and its rows); this side reads them as the decode worker does
+(`protocol.PullReader.read_message`: a chunk's head, then its data straight into the rows of the `KvReceiver`'s
+blocks, checked there) into a receiver on a cache tensor of its own, as a decode engine's, and applies the complete
+transfer (`KvReceiver.apply`, as `Engine.finish_import` does). The plain copy sends the same bytes from one
+contiguous buffer in chunks of the same size, unframed and unchecked, into one preallocated buffer here: what the
+socket and the event loop allow these two processes (the KV frames come over a connection of their own). Each repeat
+runs the plain copy and then the KV transfer; both are timed on this side, from the request to the sender until the
+last byte is in place; the median of the repeats is reported, with the CPU time each process took for the transfer
+(all its threads, user and system: on loopback the kernel's copies are most of it).
 
---receiver picks how this side reads the plain copy: `buffered` (an `asyncio.BufferedProtocol`: it lands straight
-in its destination, the most a reader of this event loop gets) or `streams` (`StreamReader.readexactly`, each piece
-then copied into the destination: what a reader through asyncio streams gets, as the decode worker's pull was
-before it read chunks into their place). The KV frames are read by the pull's reader in both. The sender writes
-with `StreamWriter` in both. The first repeat checks that the blocks that landed hold the bytes sent. Payloads above
---max-bytes are skipped (this side holds each one three times over while checking it). Figures depend on the load of
-the machine: give the load average.
+--receiver picks how this side reads the plain copy: `buffered` (an `asyncio.BufferedProtocol`: it lands straight in
+its destination, the most a reader of this event loop gets) or `streams` (`StreamReader.readexactly`, each piece
+then copied into the destination: what a reader through asyncio streams gets, as the decode worker's pull was before
+it read chunks into their place). The KV frames are read by the pull's reader in both. The sender writes the plain
+copy with `StreamWriter` in both. The first repeat checks that the blocks that landed hold the bytes sent. Payloads
+above --max-bytes are skipped (this side holds each one three times over while checking it). Figures depend on the
+load of the machine: give the load average.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import multiprocessing
+import os
+import socket
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
@@ -102,6 +106,7 @@ def sender_main(port: int, kv_port: int, cases: list[Case], chunk_bytes: int) ->
 async def _sender(port: int, kv_port: int, cases: list[Case], chunk_bytes: int) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     _, kv_writer = await asyncio.open_connection("127.0.0.1", kv_port)
+    kv_socket = kv_writer.get_extra_info("socket")
     current, cache, block_ids, source = -1, None, None, None
     while True:
         (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
@@ -121,12 +126,9 @@ async def _sender(port: int, kv_port: int, cases: list[Case], chunk_bytes: int) 
             for start in range(0, len(source), chunk_bytes):
                 writer.write(source[start:start + chunk_bytes])
                 await writer.drain()
-        elif command.op == "kv":
-            for frame in stream_blocks(case.label, cache, case.layout, block_ids, 0, chunk_bytes):
-                head, data = p.encode_kv_data(frame)
-                kv_writer.write(head)
-                kv_writer.write(data)
-                await kv_writer.drain()
+        elif command.op == "kv":  # as the prefill worker's KV listener sends (`Worker._send_kv`)
+            pieces = stream_blocks(case.label, cache, case.layout, block_ids, 0, chunk_bytes).pieces()
+            await asyncio.to_thread(p.send_kv_frames, kv_socket, pieces, 10.0, threading.Event())
     for w in (writer, kv_writer):
         w.close()
         await w.wait_closed()
@@ -174,36 +176,69 @@ class StreamLink:
         self.reader, self.writer = reader, writer
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process `pid` has taken so far, all its threads' (Linux: /proc/<pid>/task/*/schedstat)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+@dataclass(slots=True)
+class Timing:
+    """One transfer: its wall time, and the CPU time the sender and this side took for it."""
+    wall_s: float
+    sender_cpu_s: float
+    receiver_cpu_s: float
+
+
+class Stopwatch:
+    def __init__(self, sender_pid: int):
+        self.sender_pid = sender_pid
+        self.start = time.perf_counter(), cpu_seconds(sender_pid), time.process_time()
+
+    def stop(self) -> Timing:
+        wall, sender, receiver = self.start
+        return Timing(time.perf_counter() - wall, cpu_seconds(self.sender_pid) - sender,
+                      time.process_time() - receiver)
+
+
 @dataclass(slots=True)
 class Row:
     case: Case
-    plain_s: list[float]
-    kv_s: list[float]
+    plain: list[Timing]
+    kv: list[Timing]
 
     def line(self) -> str:
-        plain, kv = statistics.median(self.plain_s), statistics.median(self.kv_s)
+        plain, kv = (statistics.median(t.wall_s for t in timings) for timings in (self.plain, self.kv))
         size = self.case.payload_bytes
+
+        def cpu(timings: list[Timing]) -> str:
+            return " + ".join(f"{statistics.median(getattr(t, side) for t in timings) * 1e3:.0f}"
+                              for side in ("sender_cpu_s", "receiver_cpu_s"))
+
         return (f"| {self.case.model} | {self.case.dtype} | {self.case.tokens} | {size / 2**20:.1f} | "
                 f"{size / plain / 1e9:.2f} | {size / kv / 1e9:.2f} | {plain / kv * 100:.0f} % | "
-                f"{kv / self.case.tokens * 1e6:.2f} |")
+                f"{kv / self.case.tokens * 1e6:.2f} | {cpu(self.plain)} | {cpu(self.kv)} |")
 
 
 async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repeats: int) -> None:
     """Prints a row per case as it is done."""
     loop = asyncio.get_running_loop()
-    accepted, kv_accepted = loop.create_future(), loop.create_future()
+    accepted = loop.create_future()
     if receiver_kind == "buffered":
         link = BufferedLink()
         server = await loop.create_server(lambda: link, "127.0.0.1", 0)
     else:
         server = await asyncio.start_server(lambda r, w: accepted.set_result(StreamLink(r, w)), "127.0.0.1", 0)
 
-    def kv_link_made() -> p.PullReader:
-        kv_accepted.set_result(p.PullReader())
-        return kv_accepted.result()
-
-    kv_server = await loop.create_server(kv_link_made, "127.0.0.1", 0)
-    port, kv_port = (s.sockets[0].getsockname()[1] for s in (server, kv_server))
+    kv_server = socket.create_server(("127.0.0.1", 0))
+    kv_server.setblocking(False)
+    port, kv_port = server.sockets[0].getsockname()[1], kv_server.getsockname()[1]
     process = multiprocessing.get_context("spawn").Process(target=sender_main,
                                                            args=(port, kv_port, cases, chunk_bytes))
     process.start()
@@ -213,7 +248,7 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
     else:
         link = await accepted
         send = link.writer.write
-    kv_link = await kv_accepted
+    kv_link = p.PullReader((await loop.sock_accept(kv_server))[0])
 
     def command(op: str, index: int) -> None:
         payload = msgspec.msgpack.encode(Command(op, index))
@@ -232,25 +267,23 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
                 await link.expect_raw(memoryview(bytearray(1)))
             for repeat in range(repeats):
                 if receiver_kind == "streams":
-                    plain_s = await _plain_streams(link, command, index, plain, chunk_bytes)
+                    row.plain.append(await _plain_streams(link, command, index, plain, chunk_bytes, process.pid))
                 else:
-                    start = time.perf_counter()
+                    watch = Stopwatch(process.pid)
                     done = link.expect_raw(memoryview(plain.numpy()))
                     command("plain", index)
                     await done
-                    plain_s = time.perf_counter() - start
+                    row.plain.append(watch.stop())
                 receiver = KvReceiver(case.handoff(), 0, block_ids, 0, cache)
-                start = time.perf_counter()
+                watch = Stopwatch(process.pid)
                 command("kv", index)
                 while not receiver.complete:  # as the decode worker's pull (`_PeerKv.frames`) feeds its receiver
                     receiver.receive(await kv_link.read_message(chunk_memory=receiver.chunk_memory))
                 receiver.apply()
-                kv_s = time.perf_counter() - start
+                row.kv.append(watch.stop())
                 if repeat == 0:  # what landed is what was sent, in its blocks
                     assert receiver.complete and np.array_equal(read_blocks(cache, block_ids), plain.numpy())
                     cache.zero_()
-                row.plain_s.append(plain_s)
-                row.kv_s.append(kv_s)
                 del receiver
             print(row.line(), flush=True)
             del cache, plain
@@ -263,15 +296,16 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
         kv_server.close()
 
 
-async def _plain_streams(link: StreamLink, command, index: int, plain: torch.Tensor, chunk_bytes: int) -> float:
+async def _plain_streams(link: StreamLink, command, index: int, plain: torch.Tensor, chunk_bytes: int,
+                         sender_pid: int) -> Timing:
     """The plain copy read with `readexactly`, each piece copied into the destination."""
     destination = plain.numpy()
-    start = time.perf_counter()
+    watch = Stopwatch(sender_pid)
     command("plain", index)
     for offset in range(0, len(destination), chunk_bytes):
         data = await link.reader.readexactly(min(chunk_bytes, len(destination) - offset))
         destination[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return time.perf_counter() - start
+    return watch.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -303,8 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"skipped {case.label}: {case.payload_bytes / 2**20:.0f} MiB is over --max-bytes")
     print(f"chunks of {args.chunk_bytes} bytes, receiver {args.receiver}, median of {args.repeats}")
     print("| model | dtype | prompt tokens | MiB | plain copy GB/s | KV transfer GB/s | of plain | "
-          "added TTFT ms / 1k tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+          "added TTFT ms / 1k tokens | plain copy CPU ms, sender + receiver | KV transfer CPU ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     asyncio.run(measure(cases, args.chunk_bytes, args.receiver, args.repeats))
 
 

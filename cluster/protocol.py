@@ -22,7 +22,10 @@ import asyncio
 import hashlib
 import hmac
 import os
+import select
+import socket
 import struct
+import threading
 from typing import Annotated, Callable, Union
 
 import msgspec
@@ -280,11 +283,70 @@ def encode_kv_data(frame: kv_transfer.KvFrame, max_bytes: int = MAX_FRAME_BYTES)
     chunk's data is not copied into the frame but written after the head from where it lies (`writer.write` each in
     turn; `writelines` would join them, a copy). ValueError if the message exceeds the frame bound."""
     head, data = kv_transfer.encode_frame_parts(frame)
-    inner = len(head) + data.nbytes
+    return _kv_data_head(head, data.nbytes, max_bytes), data
+
+
+def encode_kv_head(frame: kv_transfer.KvFrame, data_bytes: int, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """`encode_kv_data(frame)`'s head, for a chunk whose data, `data_bytes` of it, lies elsewhere (the chunk's own
+    data is not looked at); another frame whole. ValueError if the message exceeds the frame bound."""
+    if isinstance(frame, kv_transfer.KvChunk):
+        return _kv_data_head(kv_transfer.encode_chunk_head(frame, data_bytes), data_bytes, max_bytes)
+    return _kv_data_head(kv_transfer.encode_frame(frame), 0, max_bytes)
+
+
+def _kv_data_head(inner_head: bytes, data_bytes: int, max_bytes: int) -> bytes:
+    inner = len(inner_head) + data_bytes
     size = len(_KV_DATA_HEAD) + len(kv_transfer.bin_header(inner)) + inner
     if size > max_bytes:
         raise ValueError(f"KvData frame of {size} bytes exceeds the bound of {max_bytes} bytes")
-    return HEADER.pack(size) + _KV_DATA_HEAD + kv_transfer.bin_header(inner) + head, data
+    return HEADER.pack(size) + _KV_DATA_HEAD + kv_transfer.bin_header(inner) + inner_head
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers one sendmsg or recvmsg_into takes
+_SEND_WAIT_S = 0.25  # a sender waiting for room in the socket looks at its stop flag this often
+
+
+def send_kv_frames(sock: socket.socket, pieces, timeout: float, stop: threading.Event,
+                   max_bytes: int = MAX_FRAME_BYTES) -> None:
+    """Writes the hand-off frames of `pieces` (`kv_transfer.KvExport.pieces`) to the connected stream socket `sock`
+    as KvData frames, each chunk's data from the buffers it lies in with no copy but the kernel's (`sendmsg` of its
+    head and its buffers); blocking, for a thread of its own, through a duplicate of the socket's descriptor, which
+    may be non-blocking (an asyncio transport's, whose own writes must have been flushed and wait meanwhile). It
+    asks for the next piece once the socket took the last one. TimeoutError when the peer takes nothing for
+    `timeout` s, ConnectionError when the connection is lost or `stop` is set (looked at between pieces and while
+    waiting), ValueError for a frame over `max_bytes`."""
+    with socket.socket(fileno=os.dup(sock.fileno())) as own:
+        room = select.poll()
+        room.register(own.fileno(), select.POLLOUT)
+        for frame, data in pieces:
+            if stop.is_set():
+                raise ConnectionError("the KV pull was given up")
+            _send_all(own, [encode_kv_head(frame, sum(d.nbytes for d in data), max_bytes), *data], room, timeout,
+                      stop)
+
+
+def _send_all(sock: socket.socket, buffers: list, room: select.poll, timeout: float, stop: threading.Event) -> None:
+    at = sent = 0  # the first buffer not sent whole, and how much of it is
+    while True:
+        while at < len(buffers) and sent >= len(buffers[at]):
+            sent -= len(buffers[at])
+            at += 1
+        if at == len(buffers):
+            return
+        batch = buffers[at:at + _IOV_MAX]
+        batch[0] = memoryview(batch[0])[sent:]
+        try:
+            sent += sock.sendmsg(batch, (), socket.MSG_NOSIGNAL)
+            continue
+        except BlockingIOError:
+            pass
+        waited = 0.0
+        while not room.poll(_SEND_WAIT_S * 1000):
+            waited += _SEND_WAIT_S
+            if stop.is_set():
+                raise ConnectionError("the KV pull was given up")
+            if waited >= timeout:
+                raise TimeoutError(f"the KV peer took nothing for {timeout:g} s")
 
 
 def decode_payload(payload: bytes | memoryview) -> Message:
@@ -347,122 +409,104 @@ def decode_kv_chunk_head(head: bytes | memoryview, size: int) -> tuple[kv_transf
     return chunk[0], start + chunk[1]
 
 
-class PullReader(asyncio.BufferedProtocol):
-    """The decode side of a KV pull connection (its protocol, for `loop.create_connection`): messages as
-    `read_message` reads them from a StreamReader, but a KvData frame that carries a chunk is read head first and
-    its data straight from the socket into the receiver's staging (`read_message`'s `chunk_memory`): each byte is
-    copied once, where a StreamReader copies it into its buffer and out again. It reads while a read waits, and a
-    few KiB ahead (the next frame's header and head) while none does; past that a peer's bytes wait in the socket,
-    and the peer's writes in turn (backpressure). One read at a time."""
+class PullReader:
+    """The decode side of a KV pull connection, on a non-blocking socket of its own (`connect`) read through the
+    event loop: messages as `read_message` reads them from a StreamReader, but a KvData frame that carries a chunk
+    is read head first and its data straight from the socket to where the receiver wants it (`read_message`'s
+    `chunk_memory`: on a CPU cache the rows of the reserved blocks), with `recvmsg_into` over many rows at a time:
+    each byte is copied once, by the kernel. It reads a few KiB ahead for the frames' headers and heads only; past
+    that a peer's bytes wait in the socket, and the peer's writes in turn (backpressure). One read at a time."""
 
     READ_AHEAD_BYTES = 4096
 
-    def __init__(self, max_bytes: int = MAX_FRAME_BYTES):
-        self.max_bytes = max_bytes
-        self.transport: asyncio.Transport | None = None
+    def __init__(self, sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES):
+        sock.setblocking(False)
+        self.sock, self.max_bytes = sock, max_bytes
         self._ahead = memoryview(bytearray(self.READ_AHEAD_BYTES))
         self._start = self._end = 0  # the unread bytes of the read-ahead
-        self._into: memoryview | None = None  # a waiting read's destination, filled up to _filled
-        self._filled = 0
-        self._waiter: asyncio.Future | None = None
-        self._eof, self._lost = False, None  # the peer's end; an error that ended the connection
-        self._paused = False
+        self._closed = False
 
-    # ---- asyncio's side ------------------------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+    @classmethod
+    async def connect(cls, host: str, port: int, timeout: float | None = None,
+                      max_bytes: int = MAX_FRAME_BYTES) -> "PullReader":
+        sock = await asyncio.to_thread(socket.create_connection, (host, port), timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(sock, max_bytes)
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._into is not None:
-            return self._into[self._filled:]
-        if self._start:  # the unread bytes to the front: a few, and only once a read took some
-            rest = self._end - self._start
-            self._ahead[:rest] = self._ahead[self._start:self._end]
-            self._start, self._end = 0, rest
-        return self._ahead[self._end:]
+    # ---- the socket ----------------------------------------------------------------------------------------
+    async def _readable(self, timeout: float | None) -> None:
+        """Returns once the socket has bytes (or its end, or an error) to read; TimeoutError after `timeout`."""
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fd = self.sock.fileno()
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        timer = None if timeout is None else loop.call_later(
+            timeout, lambda: ready.done() or ready.set_exception(TimeoutError("the peer sent nothing in time")))
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+            if timer is not None:
+                timer.cancel()
 
-    def buffer_updated(self, nbytes: int) -> None:
-        if self._into is not None:
-            self._filled += nbytes
-            if self._filled == len(self._into):
-                self._wake(None)
-            return
-        self._end += nbytes
-        self._update_reading()
-
-    def eof_received(self) -> bool:
-        self._end_reads(None)
-        return False  # the transport closes
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._end_reads(exc)
-
-    def _end_reads(self, exc: Exception | None) -> None:
-        self._eof, self._lost = True, self._lost or exc
-        if self._into is not None:
-            self._wake(self._ended(self._into[:self._filled], len(self._into)))
-
-    def _ended(self, partial: memoryview, expected: int) -> Exception:
-        if self._lost is not None:
-            return ConnectionError(f"the connection was lost: {self._lost}")
-        return asyncio.IncompleteReadError(bytes(partial), expected)
-
-    def _wake(self, error: Exception | None) -> None:
-        """Ends the waiting read: done, or `error`. Its task may have been cancelled meanwhile."""
-        self._into = None
-        if self._waiter.done():
-            return
-        if error is None:
-            self._waiter.set_result(None)
-        else:
-            self._waiter.set_exception(error)
-
-    def _update_reading(self) -> None:
-        """Reads while a read waits or the read-ahead has room."""
-        wanted = self._into is not None or self._end < len(self._ahead)
-        if self.transport is None or self.transport.is_closing() or wanted != self._paused:
-            return
-        if wanted:
-            self.transport.resume_reading()
-        else:
-            self.transport.pause_reading()
-        self._paused = not wanted
+    async def _read(self, read: Callable[[], int], timeout: float | None) -> int:
+        """`read()` (a non-blocking read from the socket, the bytes it read) once the socket has bytes; ends in
+        IncompleteReadError at the peer's end and ConnectionError when the connection was lost or closed here."""
+        while True:
+            if self._closed:
+                raise ConnectionError("the connection is closed")
+            try:
+                nbytes = read()
+            except (BlockingIOError, InterruptedError):
+                await self._readable(timeout)
+                continue
+            except OSError as err:
+                raise ConnectionError(f"the connection was lost: {err}") from None
+            if not nbytes:
+                raise asyncio.IncompleteReadError(b"", None)
+            return nbytes
 
     async def _read_into(self, memory: memoryview, timeout: float | None) -> None:
-        """Fills `memory` from the connection: TimeoutError when it waits longer than `timeout` for bytes,
-        IncompleteReadError at the peer's end, ConnectionError when the connection was lost."""
+        """Fills `memory` from the read-ahead and the connection (through the read-ahead while it is small)."""
+        have = self._take_ahead(memory)
+        try:
+            while have < len(memory):
+                if len(memory) - have < len(self._ahead):  # reads ahead: the next frame's header and head come along
+                    self._end += await self._read(lambda: self.sock.recv_into(self._ahead[self._end:]), timeout)
+                    have += self._take_ahead(memory[have:])
+                else:
+                    view = memory[have:]
+                    have += await self._read(lambda: self.sock.recv_into(view), timeout)
+        except asyncio.IncompleteReadError:
+            raise asyncio.IncompleteReadError(bytes(memory[:have]), len(memory)) from None
+
+    def _take_ahead(self, memory: memoryview) -> int:
         have = min(len(memory), self._end - self._start)
         memory[:have] = self._ahead[self._start:self._start + have]
         self._start += have
         if self._start == self._end:
             self._start = self._end = 0
-        if have < len(memory):
-            if self._eof:
-                raise self._ended(memory[:have], len(memory))
-            loop = asyncio.get_running_loop()
-            self._into, self._filled, self._waiter = memory, have, loop.create_future()
-            timer = None if timeout is None else loop.call_later(timeout, self._time_out)
-            self._update_reading()
-            try:
-                await self._waiter
-            finally:
-                self._into = self._waiter = None
-                if timer is not None:
-                    timer.cancel()
-        self._update_reading()
+        return have
 
-    def _time_out(self) -> None:
-        if self._into is not None:
-            self._wake(TimeoutError("the peer sent nothing in time"))
+    async def _read_landing(self, landing: kv_transfer.ChunkLanding, timeout: float | None) -> None:
+        """Fills a receiver's landing, its buffers many at a time (`recvmsg_into`)."""
+        ahead = min(landing.nbytes - landing.filled, self._end - self._start)
+        landing.write(self._ahead[self._start:self._start + ahead])
+        self._start += ahead
+        if self._start == self._end:
+            self._start = self._end = 0
+        while landing.filled < landing.nbytes:
+            await self._read(lambda: landing.fill(lambda buffers: self.sock.recvmsg_into(buffers[:_IOV_MAX])[0]),
+                             timeout)
 
     # ---- the reader's side ---------------------------------------------------------------------------------
     async def read_message(self, timeout: float | None = None,
-                           chunk_memory: Callable[[int], memoryview] | None = None) \
+                           chunk_memory: Callable[[int], kv_transfer.ChunkLanding] | None = None) \
             -> Message | kv_transfer.KvFrame | None:
         """The next message; None when the peer ended the connection between frames; TimeoutError when a read of
         it waits longer than `timeout` for bytes. With `chunk_memory` (`KvReceiver.chunk_memory`), a KvData frame
         comes as the hand-off frame it carries, decoded, a chunk's data read into `chunk_memory(its size)` (the
-        chunk's data is that memory; what `chunk_memory` raises is raised before the data is read)."""
+        chunk's data is that landing; what `chunk_memory` raises is raised before the data is read)."""
         header = bytearray(HEADER.size)
         try:
             await self._read_into(memoryview(header), timeout)
@@ -477,11 +521,10 @@ class PullReader(asyncio.BufferedProtocol):
             chunk = None if chunk_memory is None else decode_kv_chunk_head(payload, size)
             if chunk is not None:
                 head, start = chunk
-                data = chunk_memory(size - start)
-                read = len(payload) - start  # the data's first bytes, read with the head
-                data[:read] = memoryview(payload)[start:]
-                await self._read_into(data[read:], timeout)
-                return msgspec.structs.replace(head, data=data)
+                landing = chunk_memory(size - start)
+                landing.write(memoryview(payload)[start:])  # the data's first bytes, read with the head
+                await self._read_landing(landing, timeout)
+                return msgspec.structs.replace(head, data=landing)
             if size > len(payload):  # not a chunk: the rest of the frame after the bytes read
                 read, payload = payload, bytearray(size)
                 payload[:len(read)] = read
@@ -491,13 +534,17 @@ class PullReader(asyncio.BufferedProtocol):
         msg = decode_payload(payload)
         return kv_transfer.decode_frame(msg.frame) if chunk_memory is not None and isinstance(msg, KvData) else msg
 
-    def write(self, data: bytes) -> None:
-        """ConnectionError when the connection is closed or closing."""
-        if self.transport is None or self.transport.is_closing():
+    async def write(self, data: bytes) -> None:
+        """ConnectionError when the connection is closed or lost."""
+        if self._closed:
             raise ConnectionError("the connection is closed")
-        self.transport.write(data)
+        try:
+            await asyncio.get_running_loop().sock_sendall(self.sock, data)
+        except OSError as err:
+            raise ConnectionError(f"the connection was lost: {err}") from None
 
     def close(self) -> None:
-        """Closes the connection once what was written is sent."""
-        if self.transport is not None:
-            self.transport.close()
+        """Closes the connection (what was written is sent)."""
+        if not self._closed:
+            self._closed = True
+            self.sock.close()

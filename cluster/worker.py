@@ -35,6 +35,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -70,22 +71,21 @@ class HandoffGone(KvTransferError):
 
 class _PeerKv:
     """A decode worker's pull of one request's KV from a prefill worker's KV listener (AsyncEngine's KvSource): each
-    chunk's bytes go from the socket straight into the receiver's staging (`protocol.PullReader`)."""
+    chunk's bytes go from the socket straight to where the receiver wants them (`protocol.PullReader`)."""
 
     def __init__(self, host: str, port: int, token: str, request_id: str):
         self.address, self.token, self.request_id = (host, port), token, request_id
         self.link: p.PullReader | None = None
 
     async def frames(self, first_block: int, chunk_memory):
-        loop = asyncio.get_running_loop()
-        _, self.link = await asyncio.wait_for(loop.create_connection(p.PullReader, *self.address), KV_PULL_TIMEOUT_S)
+        self.link = await p.PullReader.connect(*self.address, KV_PULL_TIMEOUT_S)
         hello = await self.link.read_message(KV_PULL_TIMEOUT_S)
         if not isinstance(hello, p.Hello):
             raise p.ProtocolError(f"expected Hello first, got {type(hello).__name__}")
         if hello.version != p.PROTOCOL_VERSION:
             raise p.ProtocolError(f"KV peer speaks protocol {hello.version}, this worker {p.PROTOCOL_VERSION}")
-        self.link.write(p.encode_frame(p.Auth(p.auth_proof(self.token, hello.challenge)))
-                        + p.encode_frame(p.KvPull(self.request_id, first_block)))
+        await self.link.write(p.encode_frame(p.Auth(p.auth_proof(self.token, hello.challenge)))
+                              + p.encode_frame(p.KvPull(self.request_id, first_block)))
         while True:
             frame = await self.link.read_message(KV_PULL_TIMEOUT_S, chunk_memory)
             if frame is None:
@@ -103,13 +103,13 @@ class _PeerKv:
     async def applied(self) -> None:
         """Says KvDone; a peer gone by now frees the KV when its hold times out."""
         try:
-            self.link.write(p.encode_frame(p.KvDone(self.request_id)))
+            await self.link.write(p.encode_frame(p.KvDone(self.request_id)))
         except ConnectionError as err:
             log.info("KV peer %s:%d gone before KvDone of %s: %s", *self.address, self.request_id, err)
         self.close()
 
     def close(self) -> None:
-        """Closes the connection once what was written is sent."""
+        """Closes the connection (what was written is sent)."""
         if self.link is not None:
             self.link.close()
 
@@ -392,6 +392,7 @@ class Worker:
         """A decode worker's KV pulls: the handshake, then KvPull -> KvData frames, KvDone -> the KV freed."""
         peer = "%s:%s" % writer.get_extra_info("peername")[:2]
         challenge = secrets.token_bytes(32)
+        writer.transport.set_write_buffer_limits(0)  # `drain` then waits until the transport holds nothing
         writer.write(self._hello(challenge))
         try:
             await self._authenticate(reader, challenge, router=False)
@@ -419,20 +420,51 @@ class Worker:
         self._pulling[rid] += 1
         try:
             frames = await self.async_engine.call(Engine.export_kv, rid, pull.first_block, self.kv_chunk_bytes)
-            while (frame := await asyncio.to_thread(next, frames, None)) is not None:  # reads the cache
-                head, data = p.encode_kv_data(frame)
-                writer.write(head)
-                writer.write(data)  # from the blocks read: not copied into the frame
-                await writer.drain()  # the next chunk is read once the socket took this one
+            await writer.drain()  # the frames go after what the transport holds, on the socket itself
         except ValueError as err:  # a first block outside the prompt's
+            self._end_pull(rid)
             writer.write(p.encode_frame(p.Error(rid, "invalid", str(err))))
-        finally:
-            self._pulling[rid] -= 1
-            if not self._pulling[rid]:
-                del self._pulling[rid]
-            if rid not in self._pulling and rid in self._let_go_after_pull:
-                self._let_go_after_pull.discard(rid)
-                self._let_go(rid, "given up during its pull")
+            return
+        except BaseException:
+            self._end_pull(rid)
+            raise
+        sock = writer.get_extra_info("socket") if isinstance(writer, asyncio.StreamWriter) else None
+        if sock is None or writer.get_extra_info("sslcontext") is not None:  # bytes must go through its writer
+            try:
+                await self._write_kv(writer, frames.pieces())
+            finally:
+                self._end_pull(rid)
+            return
+        # On a thread, blocking: the chunks go from the cache's rows with no copy but the kernel's. The blocks stay
+        # held until the thread is done with them, even when this task is cancelled first.
+        stop = threading.Event()
+        sending = asyncio.ensure_future(asyncio.to_thread(p.send_kv_frames, sock, frames.pieces(), KV_PULL_TIMEOUT_S,
+                                                          stop))
+        sending.add_done_callback(lambda done: (done.cancelled() or done.exception(), self._end_pull(rid)))
+        try:
+            await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+
+    @staticmethod
+    async def _write_kv(writer, pieces) -> None:
+        """The frames through a writer that owns no plain socket: each chunk read on a thread (it reads the
+        cache), then written piece by piece (the writer copies what the socket does not take at once)."""
+        while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+            frame, data = piece
+            writer.write(p.encode_kv_head(frame, sum(d.nbytes for d in data)))
+            for buffer in data:
+                writer.write(buffer)
+            await writer.drain()  # the next chunk is read once the socket took this one
+
+    def _end_pull(self, rid: str) -> None:
+        self._pulling[rid] -= 1
+        if not self._pulling[rid]:
+            del self._pulling[rid]
+        if rid not in self._pulling and rid in self._let_go_after_pull:
+            self._let_go_after_pull.discard(rid)
+            self._let_go(rid, "given up during its pull")
 
     @staticmethod
     def _final(out: RequestOutput):

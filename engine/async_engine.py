@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
 
 from engine.engine import Engine, InvalidRequestError, RequestOutput
-from engine.kv_transfer import Handoff, KvBegin, KvChunk, KvEnd
+from engine.kv_transfer import ChunkLanding, Handoff, KvBegin, KvChunk, KvEnd
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 from scheduler.types import StepStats
@@ -31,10 +31,11 @@ class KvSource(Protocol):
     """Where an imported request's KV comes from (a prefill engine, over some transport)."""
 
     def frames(self, first_block: int,
-               chunk_memory: Callable[[int], memoryview]) -> AsyncGenerator[KvBegin | KvChunk | KvEnd, None]:
+               chunk_memory: Callable[[int], ChunkLanding]) -> AsyncGenerator[KvBegin | KvChunk | KvEnd, None]:
         """The transfer's frames from the prompt's block `first_block` on, in order. A transport that reads a
-        chunk's head before its data may read the data into `chunk_memory(its size)` (the receiver's staging,
-        `KvReceiver.chunk_memory`) and yield the chunk with that memory as its data: it is then not copied again."""
+        chunk's head before its data may read the data into `chunk_memory(its size)` (`KvReceiver.chunk_memory`: on
+        a CPU cache the reserved blocks' rows) and yield the chunk with that landing as its data: it is then not
+        copied again."""
 
     async def applied(self) -> None:
         """The KV is in this engine: the sender may let go of it."""

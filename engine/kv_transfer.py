@@ -13,30 +13,31 @@ no prefix-cache entry, reads what part of a transfer reached them.
 The decode side pulls: it names the first block it needs (the leading blocks its own prefix cache already holds
 are not sent again). The stream is `KvBegin`, then `KvChunk`s of at most `max_chunk_bytes` in order, then `KvEnd`.
 The payload is the blocks one after another, each block all layers' K then V (`[layers, 2, block_size, kv heads,
-head dim]` in the cache's dtype), so a sender can start on the first blocks while later ones are still being read.
-Each chunk carries its checksum (`chunk_checksum`) and the end a CRC-32 over those, in order.
+head dim]` in the cache's dtype): rows (`KvLayout.row_bytes`), one per (layer, K or V) of a block, each one run of
+bytes in a contiguous cache. A chunk is as many whole rows as fit, or a part of one row where a row does not fit.
+Each chunk carries its checksum (`chunk_checksum`, folded so that its rows start folds: `KvLayout.fold_bytes`) and
+the end a CRC-32 over those, in order.
 
 The frames are msgspec structs, tagged with `KV_WIRE_VERSION` as the cluster protocol's frames are with theirs, so
 a transport can carry them as they are (`encode_frame` / `decode_frame`). They live here, below the cluster,
 because the engine produces and checks them itself: an in-process transport needs no cluster code.
 
-The bytes are copied as little as the frames allow: a chunk's data is a view of the blocks read for it (no copy of
-its own), and `encode_frame_parts` encodes a chunk without copying its data in, so that a transport writes the data
-from where it lies. On the receiving side a transport that reads a frame's head first (`decode_chunk_head`) reads
-the chunk's data straight into the memory the receiver gives for it (`KvReceiver.chunk_memory`), where the receiver
-checks it; a chunk decoded whole (`decode_frame`: its data a view of the decoded buffer) is checked where it lies.
-Into a CPU cache that memory is one chunk's buffer, kept from chunk to chunk, and a checked chunk goes into its
-blocks at once, while its bytes are still in the processor's cache (`write_payload_part`): the transfer ends with
-its last chunk, with no copy of the whole payload after it. Into a device's cache it is the chunk's place in a
-staging payload, which goes into the blocks in one indexed copy at the end (`write_blocks`), from pinned memory (one
-DMA to the device).
+Between two CPU caches nothing but the kernel copies the bytes. A sender takes each chunk as the cache's rows
+(`KvExport.pieces`: views, their checksum taken where they lie, `rows_checksum`) and a socket transport writes them
+as they are (`encode_chunk_head`, then the rows: `sendmsg`); from a device's cache a chunk crosses into pinned host
+memory first. On the receiving side a transport that reads a frame's head first (`decode_chunk_head`) reads the
+chunk's data straight into the memory the receiver gives for it (`KvReceiver.chunk_memory`, a `ChunkLanding`):
+into a CPU cache, the rows of the reserved blocks the bytes belong in, where the receiver then checks them; into a
+device's cache, the chunk's place in a staging payload, which goes into the blocks in one indexed copy at the end
+(`write_blocks`), from pinned memory (one DMA to the device). A chunk decoded whole (`decode_frame`, or iterated in
+process) is checked as it is, then written into its blocks (`write_payload_part`) or its staging.
 """
 from __future__ import annotations
 
 import threading
 import weakref
 import zlib
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 import msgspec
 import numpy as np
@@ -47,13 +48,12 @@ from engine.sampler import TopLogprobs
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
-KV_WIRE_VERSION = 2
+KV_WIRE_VERSION = 3
 MAX_CHUNK_BYTES = 1 << 20
 # A chunk's checksum folds its 64-bit words into columns this wide (`chunk_checksum`); little-endian on every host.
 _FOLD_BYTES = 4096
 _WORD = np.dtype("<u8")
 _STAGING_KEPT_BYTES = 2 << 30  # staging buffers kept for later transfers, at most
-_READS_KEPT_BYTES = 64 << 20  # buffers of a sender's block reads kept for later reads, at most
 
 
 class KvTransferError(Exception):
@@ -92,10 +92,24 @@ class KvLayout(msgspec.Struct, array_like=True, frozen=True):
         return cls(layers, heads, dim, size, name)
 
     @property
-    def block_bytes(self) -> int:
+    def row_bytes(self) -> int:
+        """One layer's K (or V) of one block: the payload's unit, one run of bytes in a contiguous cache."""
         if self.num_layers == 0:
             return 0
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+        return self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * 2 * self.row_bytes
+
+    @property
+    def fold_bytes(self) -> int:
+        """The width of the folds `chunk_checksum` sums a chunk's words over: 4 KiB, or the largest power of two
+        that divides a row when that is less, so that every row of a chunk of whole rows starts a fold and the sums
+        can be taken over the rows where they lie. A row that is no whole number of words folds by 4 KiB."""
+        row = self.row_bytes
+        fold = min(_FOLD_BYTES, row & -row) if row else _FOLD_BYTES
+        return fold if fold >= _WORD.itemsize else _FOLD_BYTES
 
 
 class Handoff(_Frame, tag=_tag("kv_handoff")):
@@ -170,8 +184,16 @@ def encode_frame_parts(frame: KvFrame) -> tuple[bytes, memoryview]:
     if not isinstance(frame, KvChunk):
         return encode_frame(frame), _NO_DATA
     data = memoryview(frame.data).cast("B")
-    head = _encoder.encode(KvChunk(frame.request_id, frame.index, frame.checksum, b""))
-    return head[:-len(_EMPTY_BIN)] + bin_header(data.nbytes), data
+    return encode_chunk_head(frame, data.nbytes), data
+
+
+def encode_chunk_head(chunk: KvChunk, nbytes: int) -> bytes:
+    """The encoding of `chunk` up to its data, for data of `nbytes` bytes that follow it as they lie (the chunk's
+    own data is not looked at): `encode_frame_parts`' head, for a sender whose data is several buffers
+    (`KvExport.pieces`)."""
+    if len(chunk.data):
+        chunk = KvChunk(chunk.request_id, chunk.index, chunk.checksum, b"")
+    return _encoder.encode(chunk)[:-len(_EMPTY_BIN)] + bin_header(nbytes)
 
 
 # what msgpack puts after a str's or bin's marker byte: the length's bytes (a fixstr's length is in its marker)
@@ -230,22 +252,40 @@ def decode_frame(payload: bytes | memoryview) -> KvFrame:
         raise KvTransferError(f"not a KV hand-off frame of version {KV_WIRE_VERSION}: {e}") from None
 
 
-def chunk_checksum(data: bytes | bytearray | memoryview | np.ndarray) -> int:
-    """The checksum of a chunk's bytes: the CRC-32 of its 64-bit words summed (mod 2**64) column by column over rows
-    of 4 KiB, then of the bytes after the last whole row, then of the length. A byte that changes changes its
-    column's sum, which the CRC-32 over the 4 KiB of sums then catches (but for a chance of about one in 2**32, as
-    any CRC-32 of a long message); a truncated or lengthened chunk changes the length. What it gives up against a
-    CRC-32 of every byte is the order of the rows: two whole rows swapped inside one chunk go unseen, a fault that
-    a transport of contiguous writes does not make. The sums run at memory speed through numpy, several times as
-    fast as zlib's CRC-32 of every byte, which was the transfer's main cost on a CPU."""
+def chunk_checksum(data: bytes | bytearray | memoryview | np.ndarray, fold_bytes: int) -> int:
+    """The checksum of a chunk's bytes, folded by `fold_bytes` (the layout's `KvLayout.fold_bytes`, a multiple of
+    8): the CRC-32 of its 64-bit words summed (mod 2**64) column by column over folds of that many bytes, then of
+    the bytes after the last whole fold, then of the length. A byte that changes changes its column's sum, which the
+    CRC-32 over the sums then catches (but for a chance of about one in 2**32, as any CRC-32 of a long message); a
+    truncated or lengthened chunk changes the length. What it gives up against a CRC-32 of every byte is the order
+    of the folds: two whole folds swapped inside one chunk go unseen, a fault that a transport of in-order writes
+    does not make. The sums run at memory speed through numpy, several times as fast as zlib's CRC-32 of every
+    byte, and over a chunk of whole rows they are taken where the rows lie (`rows_checksum`)."""
+    if fold_bytes < _WORD.itemsize or fold_bytes % _WORD.itemsize:
+        raise ValueError(f"fold_bytes must be a positive multiple of {_WORD.itemsize}, got {fold_bytes}")
     raw = np.frombuffer(data, dtype=np.uint8)
-    body = len(raw) - len(raw) % _FOLD_BYTES
+    body = len(raw) - len(raw) % fold_bytes
     crc = 0
     if body:
-        sums = raw[:body].view(_WORD).reshape(-1, _FOLD_BYTES // _WORD.itemsize).sum(axis=0, dtype=_WORD)
-        crc = zlib.crc32(sums)
+        crc = zlib.crc32(raw[:body].view(_WORD).reshape(-1, fold_bytes // _WORD.itemsize).sum(axis=0, dtype=_WORD))
     crc = zlib.crc32(raw[body:], crc)
     return zlib.crc32(len(raw).to_bytes(8, "big"), crc)
+
+
+def rows_checksum(rows: list[np.ndarray], fold_bytes: int) -> int:
+    """`chunk_checksum` of the bytes of `rows` one after another, each a 2-D byte array whose rows are each one run
+    of bytes (equally spaced rows of a cache, a view of them): when every row is whole folds, the folds' sums are
+    taken where the rows lie, with one numpy reduction per array, not a copy; else over a joined copy."""
+    if len(rows) == 1 and rows[0].flags.c_contiguous:
+        return chunk_checksum(rows[0], fold_bytes)
+    if any(part.shape[1] % fold_bytes for part in rows):
+        return chunk_checksum(np.concatenate([part.reshape(-1) for part in rows]), fold_bytes)
+    words = fold_bytes // _WORD.itemsize
+    sums = np.zeros(words, dtype=_WORD)
+    for part in rows:
+        sums += part.view(_WORD).reshape(len(part), -1, words).sum(axis=(0, 1), dtype=_WORD)
+    size = sum(part.size for part in rows)
+    return zlib.crc32(size.to_bytes(8, "big"), zlib.crc32(sums) if size else 0)
 
 
 def _chain(crc: int, checksum: int) -> int:
@@ -318,45 +358,116 @@ def write_payload_part(kv_cache: torch.Tensor, block_ids: list[int], offset: int
 
 
 def stream_blocks(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
-                  first_block: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[KvBegin | KvChunk | KvEnd]:
-    """The frames of blocks `block_ids[first_block:]`, read from the cache as the chunks need them (a consumer that
-    stops early leaves the rest unread). A chunk holds whole blocks when a block fits in one, else a block's part;
-    no chunk spans two reads, and a chunk's data is a view of its read: the bytes are copied once, from the cache's
-    blocks into the read."""
+                  first_block: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> "KvExport":
+    """The frames of blocks `block_ids[first_block:]` (`KvExport`), read from the cache as they are consumed (a
+    consumer that stops early leaves the rest unread). A chunk holds as many whole rows (`KvLayout.row_bytes`) as
+    fit in `max_chunk_bytes`, or a part of one row where a row does not fit. ValueError for a bad chunk size or
+    first block, or a cache that is not contiguous (every executor's is)."""
     if max_chunk_bytes < 1:
         raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
     if not 0 <= first_block <= len(block_ids):
         raise ValueError(f"first_block must lie in [0, {len(block_ids)}], got {first_block}")
-    return _frames(request_id, kv_cache, layout, block_ids, first_block, max_chunk_bytes)
+    if layout.block_bytes and not kv_cache.is_contiguous():
+        raise ValueError("stream_blocks reads a contiguous cache only")
+    return KvExport(_pieces(request_id, kv_cache, layout, block_ids, first_block, max_chunk_bytes))
 
 
-def _frames(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
-            first_block: int, max_chunk_bytes: int) -> Iterator[KvBegin | KvChunk | KvEnd]:
+class KvExport:
+    """One transfer's frames, produced as they are consumed, in either of two forms (one per transfer). Iterated:
+    the frames, each chunk's data bytes of its own (an in-process transport). `pieces()`: each frame with its
+    chunk's data as the buffers it lies in, for a transport that writes them with no copy but the kernel's
+    (`cluster.protocol.send_kv_frames`)."""
+
+    def __init__(self, pieces: Iterator[tuple[KvBegin | KvChunk | KvEnd, list[memoryview]]]):
+        self._pieces = pieces
+
+    def __iter__(self) -> "KvExport":
+        return self
+
+    def __next__(self) -> KvBegin | KvChunk | KvEnd:
+        frame, data = next(self._pieces)
+        if isinstance(frame, KvChunk):
+            return KvChunk(frame.request_id, frame.index, frame.checksum, memoryview(b"".join(data)))
+        return frame
+
+    def pieces(self) -> Iterator[tuple[KvBegin | KvChunk | KvEnd, list[memoryview]]]:
+        """(frame, data): a chunk with its data empty and its `data` the buffers that hold it in order, views of
+        the cache's rows on the CPU (each one run of bytes, the blocks' bytes as they are when it is sent), of a
+        pinned host buffer read from a device's, valid until the next piece is asked for; the other frames with
+        none. Its checksum was taken where the data lies (`rows_checksum`), just before."""
+        return self._pieces
+
+
+def _chunk_spans(total: int, row: int, max_chunk_bytes: int) -> tuple[int, Iterator[tuple[int, int]]]:
+    """How many chunks a payload of `total` bytes in rows of `row` bytes makes, and each chunk's (start, end)."""
+    if not total:
+        return 0, iter(())
+    if row <= max_chunk_bytes:
+        step = max_chunk_bytes // row * row
+        return -(-total // step), ((start, min(start + step, total)) for start in range(0, total, step))
+    parts = -(-row // max_chunk_bytes)
+    return total // row * parts, ((start + at, min(start + at + max_chunk_bytes, start + row))
+                                  for start in range(0, total, row) for at in range(0, row, max_chunk_bytes))
+
+
+def _rows_of(planes, block_ids: list[int], rows_per_block: int, row: int, start: int, end: int) -> list:
+    """Payload bytes `start .. end` as views of the cache's planes `[layers * 2, blocks, row]` (numpy or torch), each
+    2-D: the part of a row the span starts in, then per block its whole rows in the span (equally spaced in the
+    cache), then the part of a row it ends in."""
+    def part(index: int, begin: int, stop: int):
+        block, plane = divmod(index, rows_per_block)
+        return planes[plane, block_ids[block], begin:stop][None]
+
+    first, last = -(-start // row), end // row  # the whole rows: first .. last - 1
+    if first > last:  # inside one row
+        return [part(last, start - last * row, end - last * row)]
+    views = [part(first - 1, start - (first - 1) * row, row)] if start < first * row else []
+    while first < last:
+        block, plane = divmod(first, rows_per_block)
+        count = min(last - first, rows_per_block - plane)
+        views.append(planes[plane:plane + count, block_ids[block]])
+        first += count
+    if last * row < end:
+        views.append(part(last, 0, end - last * row))
+    return views
+
+
+def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
+            first_block: int, max_chunk_bytes: int) -> Iterator[tuple[KvBegin | KvChunk | KvEnd, list[memoryview]]]:
     wanted = block_ids[first_block:] if layout.block_bytes else []
-    per_read = max(1, max_chunk_bytes // max(1, layout.block_bytes))  # blocks read at once
-    reads = [wanted[i:i + per_read] for i in range(0, len(wanted), per_read)]
-    num_chunks = sum(-(-len(r) * layout.block_bytes // max_chunk_bytes) for r in reads)
-    yield KvBegin(request_id, layout, first_block, len(block_ids), len(wanted) * layout.block_bytes, num_chunks)
-    crc = index = 0
-    for read in reads:
-        # into a kept buffer, which goes back once the chunks' views of it are gone (sent, or copied by the
-        # transport): fresh memory would pay its page faults on every read, and the read is the sender's main cost
-        buffer = _read_buffers.take(len(read) * layout.block_bytes)
-        blocks = read_blocks(kv_cache, read, buffer.numpy())
-        weakref.finalize(blocks, _read_buffers.give, buffer).atexit = False
-        view = memoryview(blocks)
-        for start in range(0, len(blocks), max_chunk_bytes):
-            checksum = chunk_checksum(blocks[start:start + max_chunk_bytes])
+    row, rows_per_block = layout.row_bytes, 2 * layout.num_layers
+    total = len(wanted) * layout.block_bytes
+    num_chunks, spans = _chunk_spans(total, row, max_chunk_bytes)
+    yield KvBegin(request_id, layout, first_block, len(block_ids), total, num_chunks), []
+    crc, staging = 0, None
+    if num_chunks:
+        planes = kv_cache.view(torch.uint8).view(rows_per_block, kv_cache.shape[2], row)
+        if planes.device.type == "cpu":
+            planes = planes.numpy()
+        else:  # each chunk crosses into this pinned buffer first, one DMA per run of rows
+            staging = _staging.take(min(total, max_chunk_bytes))
+    try:
+        for index, (start, end) in enumerate(spans):
+            rows = _rows_of(planes, wanted, rows_per_block, row, start, end)
+            if staging is not None:
+                at = 0
+                for part in rows:
+                    staging[at:at + part.numel()].view(part.shape).copy_(part)
+                    at += part.numel()
+                rows = [staging[:at].numpy()[None]]
+            checksum = rows_checksum(rows, layout.fold_bytes)
             crc = _chain(crc, checksum)
-            yield KvChunk(request_id, index, checksum, view[start:start + max_chunk_bytes])
-            index += 1
-    yield KvEnd(request_id, index, crc)
+            yield KvChunk(request_id, index, checksum, b""), [memoryview(r) for part in rows for r in part]
+    finally:
+        if staging is not None:
+            _staging.give(staging)
+    yield KvEnd(request_id, num_chunks, crc), []
 
 
 class _BufferPool:
     """Host buffers kept for the next transfers once done with: the first write to fresh memory pays its page
-    faults, which made staging (and a sender's block reads) several times slower than the copy itself, and every
-    request's KV goes through them. The smallest kept buffer that fits is taken; past `max_bytes` kept, the
+    faults, which made staging several times slower than the copy itself, and every request's KV (from or to a
+    device) goes through them. The smallest kept buffer that fits is taken; past `max_bytes` kept, the
     smallest go."""
 
     def __init__(self, max_bytes: int, pin: bool = False):
@@ -387,22 +498,73 @@ class _BufferPool:
 
 
 _staging = _BufferPool(_STAGING_KEPT_BYTES, pin=True)
-_read_buffers = _BufferPool(_READS_KEPT_BYTES)
-_chunk_buffers = _BufferPool(_READS_KEPT_BYTES)  # a receiver's landing buffer, when it writes chunks in place
+
+
+class ChunkLanding:
+    """The memory a chunk's bytes go to, as a receiver gives it out (`KvReceiver.chunk_memory`): `buffers` in order,
+    which a transport fills (`fill`, `write`) and then `receive`s as the chunk's data. Into a CPU cache they are the
+    rows of the reserved blocks the bytes belong in, so that nothing copies them again; else one buffer of staging.
+    Each fill goes in under the receiver's lock and none after `KvReceiver.cancel`: the blocks may be given back as
+    soon as it returns."""
+
+    def __init__(self, buffers: list[memoryview], receiver: "KvReceiver"):
+        self.buffers, self.receiver = buffers, receiver
+        self.nbytes = sum(b.nbytes for b in buffers)
+        self.filled = 0
+        self._at = self._offset = 0  # the first buffer not full, and the bytes in it
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def fill(self, read: Callable[[list[memoryview]], int]) -> int:
+        """Calls `read(buffers)` with the unfilled part, in order (a transport's read into them, `recvmsg_into`),
+        which returns how many bytes it put there; returns that. KvTransferError once the receiver was cancelled."""
+        with self.receiver._writing:
+            if self.receiver._cancelled:
+                raise KvTransferError(f"request {self.receiver.request_id!r}: the import was cancelled")
+            rest = self.buffers[self._at:]
+            if self._offset:
+                rest[0] = rest[0][self._offset:]
+            nbytes = read(rest)
+            self.filled += nbytes
+            offset = self._offset + nbytes
+            while self._at < len(self.buffers) and offset >= self.buffers[self._at].nbytes > 0:
+                offset -= self.buffers[self._at].nbytes
+                self._at += 1
+            self._offset = offset
+        return nbytes
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Copies `data` into the unfilled part, from its start; ValueError when it does not fit."""
+        data = memoryview(data).cast("B")
+        if data.nbytes > self.nbytes - self.filled:
+            raise ValueError(f"{data.nbytes} bytes do not fit in the {self.nbytes - self.filled} unfilled")
+
+        def copy(buffers: list[memoryview]) -> int:
+            at = 0
+            for buffer in buffers:
+                if at == data.nbytes:
+                    break
+                count = min(buffer.nbytes, data.nbytes - at)
+                buffer[:count] = data[at:at + count]
+                at += count
+            return at
+
+        self.fill(copy)
 
 
 class KvReceiver:
     """One incoming transfer into a decode engine's reserved blocks. `receive` takes the frames in order and checks
-    them as they come. Into a cache on the CPU (`kv_cache`) each chunk is written into its blocks as soon as its
-    checksum holds (`in_place`): until `Engine.finish_import` marks them computed nothing reads those blocks, and a
-    transfer that fails gives them back as they are, with no prefix-cache entry naming them. Into a device's cache
-    (or with none) the payload waits in host staging (`payload`, pinned where CUDA is) until `apply` puts it there
-    in one copy. It touches no engine state, so a transport may feed it off the engine's thread; `cancel`, from any
-    thread, ends its writes into the cache before the blocks are given back. Its host buffers go back to pools for
-    later transfers when the receiver is dropped: `payload` is valid as long as the receiver is referenced. A
-    transport that reads a chunk's head before its data reads the data into `chunk_memory(size)` and then
-    `receive`s the chunk with that memory as its data: the bytes are then copied once from the socket, and checked
-    where they lie (and, in place, copied once more while they are still in the processor's cache)."""
+    them as they come. Into a cache on the CPU (`kv_cache`, `in_place`) each chunk lands in the rows of its reserved
+    blocks, is checked there and counts once its checksum holds: until `Engine.finish_import` marks them computed
+    nothing reads those blocks, and a transfer that fails gives them back as they are (a failed chunk's bytes in
+    them too), with no prefix-cache entry naming them. Into a device's cache (or with none) the payload waits in
+    host staging (`payload`, pinned where CUDA is) until `apply` puts it there in one copy. It touches no engine
+    state, so a transport may feed it off the engine's thread; `cancel`, from any thread, ends its writes into the
+    cache before the blocks are given back. Its host buffers go back to a pool for later transfers when the receiver
+    is dropped: `payload` is valid as long as the receiver is referenced. A transport that reads a chunk's head
+    before its data reads the data into `chunk_memory(size)` and then `receive`s the chunk with that landing as its
+    data: the bytes are then copied once, from the socket to where they belong, and checked where they lie."""
 
     def __init__(self, handoff: Handoff, seq_id: int, block_ids: list[int], first_block: int,
                  kv_cache: torch.Tensor | None = None):
@@ -410,25 +572,25 @@ class KvReceiver:
         self.block_ids = block_ids  # the reserved blocks of the prompt, the cached leading ones included
         self.first_block = first_block  # the first block to pull: those before it are prefix-cache hits here
         self.kv_cache = kv_cache
-        self.total_bytes = (handoff.num_blocks - first_block) * handoff.layout.block_bytes
+        layout = handoff.layout
+        self.total_bytes = (handoff.num_blocks - first_block) * layout.block_bytes
         self.in_place = bool(self.total_bytes) and kv_cache is not None and kv_cache.device.type == "cpu" \
             and kv_cache.is_contiguous()  # as every executor's is
         self.payload: torch.Tensor | None = None  # staged (not in place): the bytes received, in payload order
-        self._buffers: list[torch.Tensor] = []  # host buffers taken from `_pool`, given back when the receiver goes
-        self._pool = _chunk_buffers if self.in_place else _staging
-        weakref.finalize(self, self._pool.give_all, self._buffers).atexit = False
-        if not self.in_place:
-            self.payload = self._take(self.total_bytes)[:self.total_bytes]
+        self._buffers: list[torch.Tensor] = []  # host buffers taken from `_staging`, given back when it goes
+        weakref.finalize(self, _staging.give_all, self._buffers).atexit = False
+        if self.in_place:  # the cache's rows, `[layers * 2, blocks, row]`: a view
+            self._planes = kv_cache.view(torch.uint8).numpy().reshape(2 * layout.num_layers, kv_cache.shape[2], -1)
+        elif self.total_bytes:
+            self._buffers.append(_staging.take(self.total_bytes))
+            self.payload = self._buffers[-1][:self.total_bytes]
+        else:
+            self.payload = torch.empty(0, dtype=torch.uint8)
         self._begun = self.complete = self._cancelled = False
-        self._writing = threading.Lock()  # a chunk's write into the cache against `cancel`
+        self._writing = threading.Lock()  # a write into the cache against `cancel`
         self._received = self._num_chunks = self._next_index = self._crc = 0
-        self._landing: memoryview | None = None  # the last `chunk_memory`, until the next chunk is received
-
-    def _take(self, nbytes: int) -> torch.Tensor:
-        if not nbytes:
-            return torch.empty(0, dtype=torch.uint8)
-        self._buffers.append(self._pool.take(nbytes))
-        return self._buffers[-1]
+        self._landing: ChunkLanding | None = None  # the last `chunk_memory`, until the next chunk is received
+        self._landing_rows: list[np.ndarray] = []  # its rows, in place: where its checksum is taken
 
     @property
     def request_id(self) -> str:
@@ -453,11 +615,11 @@ class KvReceiver:
         else:
             raise KvTransferError(f"request {self.request_id!r}: unexpected frame {type(frame).__name__}")
 
-    def chunk_memory(self, nbytes: int) -> memoryview:
-        """The host memory the next chunk's `nbytes` bytes go to, for a transport to read them into; it then
-        `receive`s the chunk with this memory (the object returned) as its data, which is checked in place, not
-        copied. Bytes that fail the chunk's checks, or are never received, count for nothing. KvTransferError when
-        no chunk is due or they would run past the payload KvBegin announced."""
+    def chunk_memory(self, nbytes: int) -> ChunkLanding:
+        """Where the next chunk's `nbytes` bytes go, for a transport to read them into; it then `receive`s the chunk
+        with this landing (the object returned) as its data, which is checked where it lies, not copied. Bytes that
+        fail the chunk's checks, or are never received, count for nothing. KvTransferError when no chunk is due or
+        they would run past the payload KvBegin announced."""
         if self.complete or not self._begun:
             raise KvTransferError(f"request {self.request_id!r}: no chunk is due "
                                   f"({'the transfer ended' if self.complete else 'before KvBegin'})")
@@ -465,15 +627,18 @@ class KvReceiver:
         if nbytes < 0 or end > self.total_bytes:
             raise KvTransferError(f"request {self.request_id!r}: a chunk of {nbytes} bytes runs past the announced "
                                   f"{self.total_bytes} bytes ({self._received} received)")
-        if self.in_place:  # a buffer of one chunk, kept from chunk to chunk: the bytes stay in the processor's cache
-            if not self._buffers or self._buffers[-1].numel() < nbytes:
-                if self._buffers:
-                    self._pool.give(self._buffers.pop())
-                self._take(max(1, nbytes))
-            self._landing = memoryview(self._buffers[-1].numpy()[:nbytes])
+        if self.in_place:
+            self._landing_rows = self._rows(self._received, end)
+            buffers = [memoryview(row) for rows in self._landing_rows for row in rows]
         else:
-            self._landing = memoryview(self.payload.numpy()[self._received:end])
+            buffers = [memoryview(self.payload.numpy()[self._received:end])]
+        self._landing = ChunkLanding(buffers, self)
         return self._landing
+
+    def _rows(self, start: int, end: int) -> list[np.ndarray]:
+        layout = self.handoff.layout
+        return _rows_of(self._planes, self.block_ids[self.first_block:self.handoff.num_blocks],
+                        2 * layout.num_layers, layout.row_bytes, start, end)
 
     def _begin(self, begin: KvBegin) -> None:
         if self._begun:
@@ -495,24 +660,30 @@ class KvReceiver:
             raise KvTransferError(f"request {self.request_id!r}: chunk {index} runs past the announced "
                                   f"{self.total_bytes} bytes in {self._num_chunks} chunks")
         landed, self._landing = data is self._landing, None
-        if self.in_place:  # checked where it lies, then written into its blocks while it is still cached
+        fold = self.handoff.layout.fold_bytes
+        if landed:  # read where it belongs by the transport (`chunk_memory`): checked there
+            if data.filled != data.nbytes:
+                raise KvTransferError(f"request {self.request_id!r}: chunk {index} landed {data.filled} of its "
+                                      f"{data.nbytes} bytes")
+            self._check(index, rows_checksum(self._landing_rows, fold) if self.in_place
+                        else chunk_checksum(data.buffers[0], fold), chunk.checksum)
+        elif self.in_place:  # checked as it came, then written into its blocks while it is still cached
             received = np.frombuffer(data, dtype=np.uint8)
-            self._check(index, received, chunk.checksum)
+            self._check(index, chunk_checksum(received, fold), chunk.checksum)
             with self._writing:
                 if self._cancelled:
                     raise KvTransferError(f"request {self.request_id!r}: the import was cancelled")
                 write_payload_part(self.kv_cache, self.block_ids[self.first_block:self.handoff.num_blocks],
                                    self._received, received)
-        else:  # checked where it lands: the staging bytes count only once the checksum holds, and are still cached
+        else:  # copied into staging and checked there: the staging bytes count only once the checksum holds
             staged = self.payload.numpy()[self._received:end]
-            if not landed:  # else read there by the transport: `chunk_memory`
-                staged[:] = np.frombuffer(data, dtype=np.uint8)
-            self._check(index, staged, chunk.checksum)
+            staged[:] = np.frombuffer(data, dtype=np.uint8)
+            self._check(index, chunk_checksum(staged, fold), chunk.checksum)
         self._received, self._crc = end, _chain(self._crc, chunk.checksum)
         self._next_index += 1
 
-    def _check(self, index: int, data: np.ndarray, checksum: int) -> None:
-        if chunk_checksum(data) != checksum:
+    def _check(self, index: int, got: int, checksum: int) -> None:
+        if got != checksum:
             raise KvTransferError(f"request {self.request_id!r}: chunk {index} fails its checksum")
 
     def _end(self, end: KvEnd) -> None:

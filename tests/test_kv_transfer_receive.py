@@ -1,11 +1,14 @@
-"""The decode side's KV pull over a real socket (cluster/protocol.py `PullReader`): a KvData frame's head is read
-first and its chunk's data straight into the receiver's staging, where it is checked; the bytes that land are the
-bytes sent, however the stream is cut into reads; a corrupted chunk is refused; a stream that ends mid-frame fails
-with a clear error, and a decode engine's pull that fails so gives its reservation back."""
+"""The KV pull over a real socket (cluster/protocol.py): the sender writes each chunk from the cache's rows
+(`send_kv_frames`); the decode side (`PullReader`) reads a KvData frame's head first and its chunk's data straight to
+where the receiver wants it (the rows of the reserved blocks, or staging), where it is checked; the bytes that land
+are the bytes sent, however the stream is cut into reads; a corrupted chunk is refused; a stream that ends
+mid-frame fails with a clear error, and a decode engine's pull that fails so gives its reservation back."""
 from __future__ import annotations
 
 import asyncio
 import random
+import socket
+import threading
 import time
 
 import pytest
@@ -15,8 +18,8 @@ from cluster import protocol as p
 from cluster.worker import _PeerKv
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.kv_transfer import Handoff, KvChunk, KvLayout, KvReceiver, KvTransferError, decode_frame, read_blocks, \
-    stream_blocks
+from engine.kv_transfer import ChunkLanding, Handoff, KvChunk, KvLayout, KvReceiver, KvTransferError, decode_frame, \
+    read_blocks, stream_blocks
 from scheduler.slo import SLO
 
 BLOCK_SIZE = 4
@@ -34,10 +37,10 @@ class Spy(KvReceiver):
         handoff = Handoff(request_id, [0] * (len(BLOCKS) * BLOCK_SIZE), 0, SamplingParams(), SLO(1.0, 0.1), "t",
                           0.0, 0.0, None, 0, 0, layout, len(BLOCKS))
         super().__init__(handoff, 0, BLOCKS, 0, kv_cache)
-        self.given: list[memoryview] = []
+        self.given: list[ChunkLanding] = []
         self.landed: list[bool] = []
 
-    def chunk_memory(self, nbytes: int) -> memoryview:
+    def chunk_memory(self, nbytes: int) -> ChunkLanding:
         self.given.append(super().chunk_memory(nbytes))
         return self.given[-1]
 
@@ -86,7 +89,7 @@ async def pull(receiver: KvReceiver, data: bytes, pieces_seed: int = 0) -> None:
     """`data` read by a PullReader, its frames fed to `receiver` until the transfer is complete."""
     server, port = await serve(data, pieces_seed)
     try:
-        _, reader = await asyncio.get_running_loop().create_connection(p.PullReader, "127.0.0.1", port)
+        reader = await p.PullReader.connect("127.0.0.1", port)
         try:
             while not receiver.complete:
                 frame = await reader.read_message(WAIT_S, receiver.chunk_memory)
@@ -148,8 +151,9 @@ def test_a_corrupted_chunk_read_into_staging_is_refused():
     assert not receiver.complete and receiver.landed == [True] * 3
 
 
-def test_a_corrupted_chunk_for_a_cpu_cache_is_refused_and_not_written():
-    """The chunks before it are in their blocks; not a byte of it or after it is."""
+def test_a_corrupted_chunk_for_a_cpu_cache_is_refused_and_nothing_after_it_is_written():
+    """Chunks of one 512-byte row: the chunks before it are in their blocks, and it in its row, where its check
+    fails; the transfer never completes, so nothing marks those blocks computed; no byte after it is written."""
     cache = empty_cache()
     receiver = Spy("r", cache)
     data, _, _ = wire("r", 1000, flip_chunk=2)
@@ -158,8 +162,9 @@ def test_a_corrupted_chunk_for_a_cpu_cache_is_refused_and_not_written():
     assert not receiver.complete and receiver.landed == [True] * 3
     with pytest.raises(KvTransferError, match="not complete"):
         receiver.apply()
-    landed = read_blocks(cache, BLOCKS)
-    assert landed[:2000].tobytes() == read_blocks(CACHE, BLOCKS)[:2000].tobytes() and not landed[2000:].any()
+    landed, sent = read_blocks(cache, BLOCKS), read_blocks(CACHE, BLOCKS)
+    assert landed[:1024].tobytes() == sent[:1024].tobytes()
+    assert landed[1024:1536].tobytes() != sent[1024:1536].tobytes() and not landed[1536:].any()
 
 
 @pytest.mark.parametrize("cut, error, message", [
@@ -177,7 +182,8 @@ def test_a_stream_that_ends_early_fails_with_what_went_wrong(cut, error, message
 
 def test_a_pull_cut_mid_chunk_gives_the_reservation_back(llama_tiny):
     """A decode engine pulls through `_PeerKv` from a KV listener that stops mid-chunk: the import fails with the
-    protocol's error, nothing is applied, and the reserved blocks are free again."""
+    protocol's error, nothing is applied, the reserved blocks are free again (what part of the chunk reached them
+    is in no prefix-cache entry: the same prompt is computed afresh), and no other block changed."""
     config = dict(num_kv_blocks=48, max_num_batched_tokens=64, batch_policy="fcfs", block_size=8)
     prefill = LLM(llama_tiny[0], role="prefill", **config).engine
     decode = LLM(llama_tiny[0], role="decode", **config).engine
@@ -186,6 +192,12 @@ def test_a_pull_cut_mid_chunk_gives_the_reservation_back(llama_tiny):
         prefill.step()
     handoff = prefill.handoff("cut")
     free, cache = decode.blocks.num_free_blocks(), decode.executor.kv_cache.clone()
+    reserved = []
+
+    class Noted(_PeerKv):  # notes the receiver it pulls for
+        def frames(self, first_block, chunk_memory):
+            reserved.append(chunk_memory.__self__)
+            return super().frames(first_block, chunk_memory)
 
     async def listener(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(p.encode_frame(p.Hello(p.PROTOCOL_VERSION, "prefill-0", 1, 0.0, 48, 8, 4096, 256, False,
@@ -208,7 +220,7 @@ def test_a_pull_cut_mid_chunk_gives_the_reservation_back(llama_tiny):
         engine = AsyncEngine(decode)
         await engine.start()
         try:
-            source = _PeerKv("127.0.0.1", server.sockets[0].getsockname()[1], "token", "cut")
+            source = Noted("127.0.0.1", server.sockets[0].getsockname()[1], "token", "cut")
             with pytest.raises(p.ProtocolError, match="stream ended inside a frame"):
                 async for _ in engine.generate_imported(handoff, source):
                     pass
@@ -221,9 +233,17 @@ def test_a_pull_cut_mid_chunk_gives_the_reservation_back(llama_tiny):
             server.close()
 
     asyncio.run(scenario())
-    assert "cut" not in decode.requests
-    assert torch.equal(decode.executor.kv_cache.view(torch.uint8), cache.view(torch.uint8))
+    assert "cut" not in decode.requests and len(reserved) == 1
+    blocks = reserved[0].block_ids
+    others = [b for b in range(cache.shape[2]) if b not in blocks]
+    assert torch.equal(decode.executor.kv_cache[:, :, others].view(torch.uint8), cache[:, :, others].view(torch.uint8))
+    assert not torch.equal(decode.executor.kv_cache[:, :, blocks].view(torch.uint8),
+                           cache[:, :, blocks].view(torch.uint8))  # half a chunk reached them
     prefill.release_handoff("cut")
+    decode.add_request("again", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4))
+    while decode.has_unfinished():
+        outs = decode.step()
+    assert outs[-1].num_cached_tokens == 0
 
 
 def test_a_message_read_after_a_transfer_is_decoded_whole_and_a_clean_end_is_none():
@@ -235,7 +255,7 @@ def test_a_message_read_after_a_transfer_is_decoded_whole_and_a_clean_end_is_non
 
     async def scenario():
         server, port = await serve(data + p.encode_frame(refused) + p.encode_frame(p.KvDone("r")))
-        _, reader = await asyncio.get_running_loop().create_connection(p.PullReader, "127.0.0.1", port)
+        reader = await p.PullReader.connect("127.0.0.1", port)
         while not receiver.complete:
             receiver.receive(await reader.read_message(WAIT_S, receiver.chunk_memory))
         got = [await reader.read_message(WAIT_S, receiver.chunk_memory), await reader.read_message(WAIT_S),
@@ -258,7 +278,66 @@ def test_a_kv_data_chunk_head_is_found_only_when_it_adds_up_to_the_frame():
     size = p.HEADER.unpack_from(chunk_frame, 0)[0]
     payload = chunk_frame[p.HEADER.size:p.HEADER.size + size]
     chunk, start = p.decode_kv_chunk_head(payload[:200], size)
-    assert (chunk.request_id, chunk.index, size - start) == ("r", 0, 1000)
+    assert (chunk.request_id, chunk.index, size - start) == ("r", 0, 512)  # one row: two do not fit
     assert bytes(decode_frame(p.decode_payload(payload).frame).data) == payload[start:]
     assert p.decode_kv_chunk_head(payload[:200], size + 1) is None
     assert p.decode_kv_chunk_head(p.encode_frame(p.KvDone("r"))[p.HEADER.size:], 10) is None
+
+
+@pytest.mark.parametrize("chunk_bytes", [1000, 1 << 20])
+def test_a_pull_sent_from_the_caches_rows_lands_in_the_reserved_rows(chunk_bytes):
+    """The worker's path end to end: the sender writes each chunk from the cache's rows (`send_kv_frames`, from an
+    asyncio connection's socket, on a thread), the reader reads it straight into the rows of the reserved blocks,
+    scattered and other than the sender's, from a resumed first block. The pulled blocks hold what was sent; the
+    leading (prefix-cached) blocks and every other block are untouched."""
+    cache, first_block = empty_cache(), 3
+    receiver_blocks = [20, 2, 17, 6, 13, 4, 23, 8, 10, 15]
+    layout = KvLayout.of_cache(CACHE, BLOCK_SIZE)
+    handoff = Handoff("rows", [0] * (len(BLOCKS) * BLOCK_SIZE), 0, SamplingParams(), SLO(1.0, 0.1), "t", 0.0, 0.0,
+                      None, 0, 0, layout, len(BLOCKS))
+    receiver = KvReceiver(handoff, 0, receiver_blocks, first_block, cache)
+
+    async def scenario() -> None:
+        async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            pieces = stream_blocks("rows", CACHE, layout, BLOCKS, first_block, chunk_bytes).pieces()
+            await asyncio.to_thread(p.send_kv_frames, writer.get_extra_info("socket"), pieces, WAIT_S,
+                                    threading.Event())
+            writer.close()
+
+        server = await asyncio.start_server(send, "127.0.0.1", 0)
+        reader = await p.PullReader.connect("127.0.0.1", server.sockets[0].getsockname()[1])
+        try:
+            while not receiver.complete:
+                receiver.receive(await reader.read_message(WAIT_S, receiver.chunk_memory))
+            assert await reader.read_message(WAIT_S) is None
+        finally:
+            reader.close()
+            server.close()
+
+    asyncio.run(scenario())
+    receiver.apply()
+    pulled = receiver_blocks[first_block:]
+    assert torch.equal(cache[:, :, pulled], CACHE[:, :, BLOCKS[first_block:]])
+    assert not cache[:, :, [b for b in range(cache.shape[2]) if b not in pulled]].view(torch.uint8).any()
+
+
+def test_a_sender_whose_peer_reads_nothing_times_out_and_one_told_to_stop_stops():
+    """`send_kv_frames` to a peer that takes nothing: TimeoutError after the timeout; ConnectionError once its stop
+    flag is set; the peer's end: ConnectionError."""
+    layout = KvLayout.of_cache(CACHE, BLOCK_SIZE)
+    big = torch.zeros(2, 2, 600, BLOCK_SIZE, 2, 32, dtype=torch.bfloat16)  # 1.2 MiB: more than the socket holds
+    for outcome in ("timeout", "stop", "closed"):
+        left, right = socket.socketpair()
+        left.setblocking(False)
+        stop = threading.Event()
+        pieces = stream_blocks("big", big, layout, list(range(600)), 0, 4096).pieces()
+        if outcome == "stop":
+            threading.Timer(0.3, stop.set).start()
+        elif outcome == "closed":
+            threading.Timer(0.3, right.close).start()
+        error, message = {"timeout": (TimeoutError, "took nothing for 0.5 s"), "stop": (ConnectionError, "given up"),
+                          "closed": (ConnectionError, "Broken pipe|reset by peer")}[outcome]
+        with pytest.raises(error, match=message):
+            p.send_kv_frames(left, pieces, 0.5 if outcome == "timeout" else WAIT_S, stop)
+        left.close()
+        right.close()

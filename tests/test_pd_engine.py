@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.kv_transfer import Handoff, KvBegin, KvChunk, KvEnd, KvImportRefused, KvLayout, KvReceiver, \
-    KvTransferError, chunk_checksum, decode_chunk_head, decode_frame, encode_frame, encode_frame_parts, read_blocks, \
-    stream_blocks, write_blocks
+from engine.kv_transfer import ChunkLanding, Handoff, KvBegin, KvChunk, KvEnd, KvImportRefused, KvLayout, \
+    KvReceiver, KvTransferError, chunk_checksum, decode_chunk_head, decode_frame, encode_frame, encode_frame_parts, \
+    read_blocks, rows_checksum, stream_blocks, write_blocks
 from scheduler.slo import SLO
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -156,18 +156,35 @@ def corrupt_checksum_of_all(frames):
     return frames
 
 
-def test_the_chunk_checksum_sees_every_flipped_byte_and_a_changed_length():
-    """Over whole 4 KiB rows of 64-bit words (summed by column) and the bytes after them alike."""
+@pytest.mark.parametrize("fold", [4096, 128])
+def test_the_chunk_checksum_sees_every_flipped_byte_and_a_changed_length(fold):
+    """Over whole folds of 64-bit words (summed by column) and the bytes after them alike."""
     data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 13, dtype=np.uint8)
-    honest = chunk_checksum(data)
-    assert chunk_checksum(data.tobytes()) == chunk_checksum(memoryview(bytearray(data))) == honest
+    honest = chunk_checksum(data, fold)
+    assert chunk_checksum(data.tobytes(), fold) == chunk_checksum(memoryview(bytearray(data)), fold) == honest
     for position in range(len(data)):
         flipped = data.copy()
         flipped[position] ^= 1 << position % 8
-        assert chunk_checksum(flipped) != honest, position
-    assert chunk_checksum(data[:-1]) != honest and chunk_checksum(np.append(data, 0)) != honest
+        assert chunk_checksum(flipped, fold) != honest, position
+    assert chunk_checksum(data[:-1], fold) != honest and chunk_checksum(np.append(data, 0), fold) != honest
     zeros = np.zeros(2 * 4096, dtype=np.uint8)
-    assert chunk_checksum(zeros) != chunk_checksum(zeros[:4096])  # the length counts, even where the sums agree
+    assert chunk_checksum(zeros, fold) != chunk_checksum(zeros[:4096], fold)  # the length counts
+    with pytest.raises(ValueError, match="fold_bytes must be a positive multiple of 8"):
+        chunk_checksum(data, 12)
+
+
+def test_the_checksum_over_rows_where_they_lie_is_that_of_their_bytes_joined():
+    """`rows_checksum` of equally spaced rows (views of a cache's planes), whole folds or not, and of a part of a
+    row: `chunk_checksum` of the same bytes one after another."""
+    planes = np.random.default_rng(2).integers(0, 256, (6, 5, 384), dtype=np.uint8)  # rows of 384 bytes
+    for fold in (128, 4096):  # whole folds per row, or not
+        for parts in ([planes[1:4, 2], planes[0:2, 4]], [planes[2, 3, 100:300][None], planes[0:6, 1]],
+                      [planes[5, 0][None]]):
+            joined = np.concatenate([part.reshape(-1) for part in parts])
+            assert rows_checksum(parts, fold) == chunk_checksum(joined, fold), (fold, [p.shape for p in parts])
+    layout = KvLayout(2, 3, 64, 16, "bfloat16")  # smollm2's rows: 6 KiB, folded by 2 KiB
+    assert (layout.row_bytes, layout.fold_bytes) == (6144, 2048)
+    assert KvLayout(2, 1, 3, 1, "bfloat16").fold_bytes == 4096  # a row that is no whole number of words
 
 
 def test_a_chunk_is_encoded_without_its_data_copied_into_the_same_bytes():
@@ -175,7 +192,7 @@ def test_a_chunk_is_encoded_without_its_data_copied_into_the_same_bytes():
     bin header; the data part is the chunk's own memory; the other frames are whole in the head."""
     data = np.random.default_rng(1).integers(0, 256, 70_000, dtype=np.uint8)
     for size in (0, 1, 255, 256, 65_535, 65_536, 70_000):
-        chunk = KvChunk("r", 3, chunk_checksum(data[:size]), memoryview(data[:size]))
+        chunk = KvChunk("r", 3, chunk_checksum(data[:size], 4096), memoryview(data[:size]))
         head, body = encode_frame_parts(chunk)
         assert head + bytes(body) == encode_frame(chunk), size
         assert size == 0 or np.shares_memory(np.frombuffer(body, dtype=np.uint8), data)
@@ -184,16 +201,30 @@ def test_a_chunk_is_encoded_without_its_data_copied_into_the_same_bytes():
     assert encode_frame_parts(end) == (encode_frame(end), b"")
 
 
-def test_a_held_chunk_keeps_the_bytes_read_for_it_while_later_reads_reuse_buffers():
-    """A sender reads blocks into kept buffers and its chunks are views of them: a buffer is taken again only once
-    no chunk of it is held, so held chunks keep their bytes through any number of later reads."""
-    cache = torch.randn(2, 2, 12, 4, 2, 8).to(torch.bfloat16)  # 512-byte blocks
+@pytest.mark.parametrize("max_chunk_bytes", [1024, 300, 100])
+def test_a_senders_pieces_are_the_caches_rows_themselves(max_chunk_bytes):
+    """`KvExport.pieces` of scattered blocks from a resumed first block: each chunk's data is views of the cache's
+    rows (no copy), whole rows where a row fits in a chunk, else parts of one; joined they are `read_blocks`' bytes,
+    each chunk's checksum is that of its bytes, and the iterated frames carry the same bytes and checksums."""
+    cache = torch.randn(2, 2, 12, 4, 2, 8).to(torch.bfloat16)  # rows of 128 bytes, 512-byte blocks
     layout, blocks = KvLayout.of_cache(cache, 4), [5, 0, 9, 3, 11, 7]
-    held = list(stream_blocks("held", cache, layout, blocks, 0, max_chunk_bytes=1024))  # three reads of two blocks
-    for other in range(4):  # whose chunks go at once, and their buffers back to be read into again
-        for _ in stream_blocks(f"other-{other}", cache, layout, blocks[::-1], 1, max_chunk_bytes=1024):
-            pass
-    assert b"".join(bytes(f.data) for f in held if isinstance(f, KvChunk)) == read_blocks(cache, blocks).tobytes()
+    pieces = list(stream_blocks("p", cache, layout, blocks, 2, max_chunk_bytes).pieces())
+    frames = list(stream_blocks("p", cache, layout, blocks, 2, max_chunk_bytes))
+    chunks = [(frame, data) for frame, data in pieces if isinstance(frame, KvChunk)]
+    raw = cache.view(torch.uint8).numpy()
+    sizes = [sum(d.nbytes for d in data) for _, data in chunks]
+    assert pieces[0][0].num_chunks == len(chunks) and pieces[0][0].total_bytes == sum(sizes) == 4 * 512
+    assert all(size == min(max_chunk_bytes // 128 * 128, 2048) for size in sizes[:-1]) if max_chunk_bytes > 128 \
+        else all(size in (100, 28) for size in sizes)
+    for frame, data in chunks:
+        assert all(np.shares_memory(np.frombuffer(d, dtype=np.uint8), raw) for d in data)
+        assert frame.checksum == chunk_checksum(b"".join(data), layout.fold_bytes)
+    joined = b"".join(bytes(d) for _, data in chunks for d in data)
+    assert joined == read_blocks(cache, blocks[2:]).tobytes()
+    assert [f.checksum for f in frames[1:-1]] == [f.checksum for f, _ in chunks]
+    assert b"".join(bytes(f.data) for f in frames[1:-1]) == joined and frames[-1] == pieces[-1][0]
+    with pytest.raises(ValueError, match="contiguous cache only"):
+        stream_blocks("p", cache.transpose(3, 4), layout, blocks, 0)
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -342,7 +373,7 @@ def staged(receiver: KvReceiver, frames, damage=lambda index, memory: None) -> N
     for frame in frames:
         if isinstance(frame, KvChunk):
             memory = receiver.chunk_memory(len(frame.data))
-            memory[:] = frame.data
+            memory.write(frame.data)
             damage(frame.index, memory)
             frame = msgspec.structs.replace(frame, data=memory)
         receiver.receive(frame)
@@ -388,9 +419,10 @@ def test_chunks_read_into_chunk_memory_land_in_their_blocks_as_they_come(llama_t
 
 
 def test_a_corrupted_chunk_is_refused_and_what_came_before_it_never_decodes(llama_tiny, pair):
-    """The chunk before it is written into the reserved blocks (a CPU cache); the import fails, the blocks go back
-    with no prefix-cache entry naming them, and the same prompt later is computed afresh, as a co-located engine
-    computes it. Nothing outside the reserved blocks changed."""
+    """The chunk before it is in the reserved blocks (a CPU cache), and it lands in its rows, where its check fails;
+    the import fails, the blocks go back with no prefix-cache entry naming them, and the same prompt later is
+    computed afresh, as a co-located engine computes it. Nothing after it, nor outside the reserved blocks,
+    changed."""
     prompt = random_prompts(llama_tiny[1].config.vocab_size, [40], seed=8)[0]
     pair.prefill.add_request("flipped", prompt, GREEDY)
     run(pair.prefill)
@@ -400,16 +432,18 @@ def test_a_corrupted_chunk_is_refused_and_what_came_before_it_never_decodes(llam
     reserved = receiver.block_ids
     frames = list(pair.prefill.export_kv("flipped", receiver.first_block, max_chunk_bytes=256))
 
-    def flip(index: int, memory: memoryview) -> None:
+    def flip(index: int, memory: ChunkLanding) -> None:
         if index == 1:
-            memory[5] ^= 0x20
+            memory.buffers[0][5] ^= 0x20
 
     with pytest.raises(KvTransferError, match="chunk 1 fails its checksum"):
         staged(receiver, frames, flip)
     assert not receiver.complete and receiver.first_block == 0
     landed = read_blocks(pair.decode.executor.kv_cache, reserved[:handoff.num_blocks])
-    assert landed[:256].tobytes() == bytes(frames[1].data)  # chunk 0 is in its block
-    assert landed[256:].tobytes() == read_blocks(cache, reserved[:handoff.num_blocks])[256:].tobytes()
+    first, second = len(frames[1].data), len(frames[1].data) + len(frames[2].data)
+    assert landed[:first].tobytes() == bytes(frames[1].data)  # chunk 0 is in its blocks
+    assert landed[first:second].tobytes() != bytes(frames[2].data)  # chunk 1 too, with its flipped byte
+    assert landed[second:].tobytes() == read_blocks(cache, reserved[:handoff.num_blocks])[second:].tobytes()
     with pytest.raises(KvTransferError, match="not complete"):
         pair.decode.finish_import(receiver)
     pair.decode.cancel_import(receiver)
@@ -435,13 +469,17 @@ def test_a_cancelled_receiver_writes_nothing_more_and_refuses_what_comes():
     assert receiver.in_place and receiver.total_bytes == 1024
     data = np.random.default_rng(5).integers(1, 256, 1024, dtype=np.uint8)
     receiver.receive(KvBegin("c", layout, 1, 3, 1024, 2))
-    staged(receiver, [KvChunk("c", 0, chunk_checksum(data[:700]), memoryview(data[:700]))])
+    fold = layout.fold_bytes
+    staged(receiver, [KvChunk("c", 0, chunk_checksum(data[:700], fold), memoryview(data[:700]))])
     landed = read_blocks(cache, [6, 1])
     assert landed[:700].tobytes() == data[:700].tobytes() and not landed[700:].any()
     assert not cache[:, :, [0, 2, 3, 4, 5, 7]].any()
+    landing = receiver.chunk_memory(324)  # taken before the cancel: filled after it, it writes nothing
     receiver.cancel()
+    with pytest.raises(KvTransferError, match="the import was cancelled"):
+        landing.write(data[700:])
     with pytest.raises(KvTransferError, match="after the transfer was cancelled"):
-        receiver.receive(KvChunk("c", 1, chunk_checksum(data[700:]), memoryview(data[700:])))
+        receiver.receive(KvChunk("c", 1, chunk_checksum(data[700:], fold), memoryview(data[700:])))
     assert not read_blocks(cache, [6, 1])[700:].any()
 
 
@@ -460,14 +498,21 @@ def test_chunk_memory_is_given_only_for_a_due_chunk_within_the_announced_payload
     with pytest.raises(KvTransferError, match="a chunk of 513 bytes runs past the announced 512 bytes"):
         receiver.chunk_memory(513)
     data = np.arange(512, dtype=np.uint16).astype(np.uint8)
-    staged(receiver, [KvChunk("m", 0, chunk_checksum(data[:300]), memoryview(data[:300]))])
+    fold = layout.fold_bytes
+    staged(receiver, [KvChunk("m", 0, chunk_checksum(data[:300], fold), memoryview(data[:300]))])
     with pytest.raises(KvTransferError, match="runs past the announced 512 bytes .300 received"):
         receiver.chunk_memory(213)
     memory = receiver.chunk_memory(212)
-    assert np.shares_memory(np.frombuffer(memory, dtype=np.uint8), receiver.payload.numpy())
-    memory[:] = data[300:]
-    receiver.receive(KvChunk("m", 1, chunk_checksum(data[300:]), memory))
-    receiver.receive(KvEnd("m", 2, zlib_chain([chunk_checksum(data[:300]), chunk_checksum(data[300:])])))
+    assert np.shares_memory(np.frombuffer(memory.buffers[0], dtype=np.uint8), receiver.payload.numpy())
+    memory.write(data[300:400])
+    with pytest.raises(KvTransferError, match="chunk 1 landed 100 of its 212 bytes"):
+        receiver.receive(KvChunk("m", 1, chunk_checksum(data[300:], fold), memory))
+    memory = receiver.chunk_memory(212)
+    memory.write(data[300:])
+    with pytest.raises(ValueError, match="1 bytes do not fit in the 0 unfilled"):
+        memory.write(b"x")
+    receiver.receive(KvChunk("m", 1, chunk_checksum(data[300:], fold), memory))
+    receiver.receive(KvEnd("m", 2, zlib_chain([chunk_checksum(data[:300], fold), chunk_checksum(data[300:], fold)])))
     assert receiver.complete and receiver.payload.numpy().tobytes() == data.tobytes()
     with pytest.raises(KvTransferError, match="no chunk is due .the transfer ended"):
         receiver.chunk_memory(1)
