@@ -34,6 +34,7 @@ from engine import kv_transfer
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from scheduler.slo import SLO
+from scheduler.types import StepStats
 
 PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of msgpack; 8 MiB leaves room and bounds a bad peer
@@ -189,6 +190,16 @@ class StepTiming(msgspec.Struct, array_like=True):
     num_running: int
     num_waiting: int
     num_seqs: int  # sequences in the batch
+
+
+def step_timing(stats: StepStats) -> StepTiming:
+    """`stats` on the wire (the worker's side)."""
+    return StepTiming(*[getattr(stats, name) for name in StepTiming.__struct_fields__])
+
+
+def step_stats(timing: StepTiming) -> StepStats:
+    """A step off the wire as the engine measured it (the router's side)."""
+    return StepStats(**msgspec.structs.asdict(timing))
 
 
 class StepReport(_Message, tag=_tag("step")):

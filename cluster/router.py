@@ -290,10 +290,13 @@ class Router:
         self._log(now, "queued", req.request_id, None, req.tier_index)
         return Decision(Outcome.QUEUED)
 
-    def hand_off(self, req: RoutedRequest, now: float) -> Decision:
+    def hand_off(self, req: RoutedRequest, now: float, *, retry: bool = False) -> Decision:
         """A request a prefill instance ran to its first token (and left: `on_finished`), to be placed on a decode
         instance with its prompt computed there by the import; placed, queued at the head of its queue, or refused
-        as `submit` readmits a request."""
+        as `submit` readmits a request. Its prompt's KV joins the autoscaler's transfer byte rate once: a `retry`,
+        the same hand-off placed anew after a decode instance refused or failed its import, adds nothing."""
+        if not retry and self.autoscaler is not None and self.transfer is not None:
+            self.autoscaler.transfer_bytes.add(now, req.num_prompt_tokens * self.transfer.bytes_per_token)
         self.handoffs.add(req.request_id)
         req.num_computed_tokens, req.num_output_tokens = req.num_prompt_tokens, 1
         decision = self.submit(req, now, readmit=True)

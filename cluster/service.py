@@ -29,8 +29,8 @@ around the pure `Router` and `Autoscaler` (DESIGN.md §5). This file owns every 
   `max_transfer_attempts`; then, or when the prefill side holds it no more, or when the decode instance is lost
   after it streamed, the stream migrates (prefilled again, as any stream whose instance failed). A client that
   leaves mid-way has the prefill side's hold aborted too. Every prompt sent to a prefill instance feeds the
-  autoscaler's prefill token rate, every hand-off its KV byte rate (and every decode instance's step report its
-  decode token rate, through the router); the plan's prefill starts raise the launcher's prefill target, and its
+  autoscaler's prefill token rate (and, through the router, every hand-off its KV byte rate and every decode
+  instance's step report its decode token rate); the plan's prefill starts raise the launcher's prefill target, and its
   stops drain idle prefill instances as decode ones, never one still holding a hand-off's KV.
 """
 from __future__ import annotations
@@ -55,7 +55,6 @@ from engine.engine import InvalidRequestError, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.serving import NoInstanceError, QueueFullError
 from scheduler.slo import SLO
-from scheduler.types import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -443,8 +442,7 @@ class RouterService:
                 s.text += d.text
                 s.outputs.put_nowait(s.output(d.token_ids, d.text))
         elif isinstance(msg, p.StepReport):
-            steps = [StepStats(t.start, t.duration, t.num_prefill_tokens, t.num_decode_seqs, t.num_kv_tokens,
-                               t.num_blocks_used, t.num_running, t.num_waiting, t.num_seqs) for t in msg.steps]
+            steps = [p.step_stats(t) for t in msg.steps]
             last = steps[-1]
             self.router.on_report(instance_id, InstanceReport(link.to_router_clock(last.start + last.duration),
                                                               last.num_blocks_used, msg.residents, steps), now)
@@ -489,14 +487,11 @@ class RouterService:
         s.handoff = _HandOff(msg.handoff, link.instance_id, host, link.hello.kv_port, link.clock_offset)
         s.transfer_attempts = 0
         self.counts["handed_off"] += 1
-        autoscaler, transfer = self.router.autoscaler, self.router.transfer
-        if autoscaler is not None and transfer is not None:
-            autoscaler.transfer_bytes.add(now, s.routed.num_prompt_tokens * transfer.bytes_per_token)
         self._hand_off(s, now)
         self._dispatch(self.router.retry_queued(now), now)
 
-    def _hand_off(self, s: _Stream, now: float) -> None:
-        decision = self.router.hand_off(s.routed, now)
+    def _hand_off(self, s: _Stream, now: float, *, retry: bool = False) -> None:
+        decision = self.router.hand_off(s.routed, now, retry=retry)
         if decision.outcome is Outcome.PLACED:
             self._send(s, decision.instance_id, now)
         elif decision.outcome is Outcome.NO_INSTANCE:
@@ -509,7 +504,7 @@ class RouterService:
         def retry():
             if self.streams.get(s.routed.request_id) is s and not s.done and s.handoff is not None \
                     and s.routed.request_id not in self.router.requests and not self._stopping:
-                self._hand_off(s, self.clock())
+                self._hand_off(s, self.clock(), retry=True)
         asyncio.get_running_loop().call_later(self.tick_s, retry)
 
     def _give_up_handoff(self, s: _Stream) -> None:
@@ -527,12 +522,12 @@ class RouterService:
             self._hand_off_later(s)
             return
         if kind == "draining":  # it raced the drain: nothing was pulled, and the draining instance takes no more
-            self._hand_off(s, now)
+            self._hand_off(s, now, retry=True)
             return
         self.counts["transfer_failed"] += 1
         s.transfer_attempts += 1
         if kind == "transfer" and s.transfer_attempts < self.max_transfer_attempts:
-            self._hand_off(s, now)
+            self._hand_off(s, now, retry=True)
             return
         self._give_up_handoff(s)
         self._migrate(s, instance_id, reason, now)

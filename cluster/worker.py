@@ -486,9 +486,7 @@ class Worker:
     def _on_step(self, stats: StepStats, residents: list[p.Resident]) -> None:
         self.load = EngineLoad(stats.num_running, stats.num_waiting, stats.num_blocks_used)
         if self.connections:  # steps before the router came are not its to hear
-            report = self.reports.add(p.StepTiming(
-                stats.start, stats.duration, stats.num_prefill_tokens, stats.num_decode_seqs, stats.num_kv_tokens,
-                stats.num_blocks_used, stats.num_running, stats.num_waiting, stats.num_seqs), residents)
+            report = self.reports.add(p.step_timing(stats), residents)
             if report is not None:
                 self._send_report(report)
         # the step's outputs reach their request tasks in this loop turn; flushing on the next keeps them together

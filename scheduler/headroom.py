@@ -25,6 +25,13 @@ LATE_START = 1  # its first token was late: queueing or prefill, not packing; th
 MISSED = 2  # a later token was late: counted once
 
 
+def check_headroom_target(target: float) -> None:
+    """Refuses a target outside (0, 1): `Headroom`'s own check, and a config's that holds a target before any
+    `Headroom` is built from it."""
+    if not 0 < target < 1:
+        raise ValueError(f"headroom target must lie in (0, 1), got {target}")
+
+
 @dataclass(slots=True)
 class Headroom:
     target: float = DEFAULT_TARGET
@@ -35,8 +42,7 @@ class Headroom:
     num_attained: int = field(default=0, init=False)
 
     def __post_init__(self):
-        if not 0 < self.target < 1:
-            raise ValueError(f"headroom target must lie in (0, 1), got {self.target}")
+        check_headroom_target(self.target)
         if not 0 < self.step < self.max_margin < 1:
             raise ValueError(f"need 0 < step < max_margin < 1, got step {self.step}, max_margin {self.max_margin}")
         if not 0 <= self.margin <= self.max_margin:

@@ -24,6 +24,7 @@ from scheduler.fcfs import FCFSPolicy
 from scheduler.roofline import emulated_latency_model
 from scheduler.slo import SLO
 from scheduler.tiers import Tier, TierSet
+from scheduler.types import StepStats
 
 SAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, "engine-0", 123, 5.5, 1000, 16, 4096, 32000, True, "emulated"),
@@ -258,3 +259,11 @@ def test_sampling_spec_carries_every_sampling_param_by_name():
     assert set(p.SamplingSpec.__struct_fields__) == set(SamplingParams.__dataclass_fields__)
     wire = p.decode_payload(p.encode_frame(p.Submit("r", [1], p.SamplingSpec.of(params), "t", SLO(100, 10), 0.0))[4:])
     assert wire.sampling.params() == params and wire.slo == SLO(100, 10)
+
+
+def test_a_step_crosses_the_wire_field_for_field():
+    stats = StepStats(1.5, 0.004, 512, 3, 2048, 40, 6, 1, 5)  # no two counts alike: a swapped pair shows
+    assert p.StepTiming.__struct_fields__ == tuple(StepStats.__dataclass_fields__)
+    wire = p.decode_payload(p.encode_frame(p.StepReport([p.step_timing(stats)], 1000, []))[4:])
+    assert wire.steps == [p.StepTiming(1.5, 0.004, 512, 3, 2048, 40, 6, 1, 5)]
+    assert p.step_stats(wire.steps[0]) == stats

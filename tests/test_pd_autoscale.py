@@ -15,7 +15,7 @@ import pytest
 
 from cluster.autoscaler import Autoscaler, ScalePlan, ScalingLimits, TokenRate, decode_seconds_per_token
 from cluster.fleet import RoutedRequest
-from cluster.router import Router
+from cluster.router import Outcome, Router
 from cluster.sim.simulator import SimConfig, Simulator
 from cluster.sim.workload import Workload
 from scheduler.latency_model import scaled
@@ -104,8 +104,8 @@ def test_prefill_engines_wanted_from_the_token_rate(rate, wanted):
 
 
 # ---- the plan ----------------------------------------------------------------------------------------------------
-def pd_router(limits: ScalingLimits, prefill=("p0",), decode=("d0",)) -> Router:
-    router = Router(TIERS, MODEL, autoscaler=Autoscaler(limits))
+def pd_router(limits: ScalingLimits, prefill=("p0",), decode=("d0",), transfer: TransferModel | None = None) -> Router:
+    router = Router(TIERS, MODEL, autoscaler=Autoscaler(limits), transfer=transfer)
     for instance_id, role in [*((i, "prefill") for i in prefill), *((i, "decode") for i in decode)]:
         router.add_instance(instance_id, 0.0)
         router.set_role(instance_id, role)
@@ -349,6 +349,23 @@ def test_the_kv_byte_rate_raises_both_pools_past_what_their_links_carry():
     assert decode_plan(router, 0.0, transfer=SLOW_LINK) == ScalePlan(num_to_start=2, num_prefill_to_start=2)
     start_prefill(router, 0.0, "p1", "p2")  # three prefill engines, the cap: the rest of max_instances decodes
     assert decode_plan(router, 0.0, transfer=SLOW_LINK) == ScalePlan(num_to_start=2)
+
+
+def test_a_hand_off_feeds_its_prompts_kv_bytes_once_whatever_its_retries():
+    router = pd_router(pd_limits(), decode=("d0", "d1"), transfer=SLOW_LINK)
+    window, auto = router.autoscaler.limits.prefill_rate_window_s, router.autoscaler
+    req = prompt("a", 40, 0.0)
+    assert router.hand_off(req, 0.0).outcome is Outcome.PLACED
+    assert auto.transfer_bytes.rate(0.0) * window == 40 * SLOW_LINK.bytes_per_token
+    # the decode instance refused the import: the router hears it left, and the same hand-off is placed anew
+    router.on_finished("a", 1, 0.1, completed=False)
+    assert router.hand_off(req, 0.1, retry=True).outcome is Outcome.PLACED
+    assert auto.transfer_bytes.rate(0.1) * window == 40 * SLOW_LINK.bytes_per_token
+    hand_off(router, "b", 0, 60, 0.2)
+    assert auto.transfer_bytes.rate(0.2) * window == 100 * SLOW_LINK.bytes_per_token
+    plain = pd_router(pd_limits(), decode=("d0", "d1"))  # no link model: nothing to count the bytes by
+    hand_off(plain, "a", 1, 40, 0.0)
+    assert plain.autoscaler.transfer_bytes.rate(0.0) == 0.0
 
 
 def test_without_disaggregation_the_decode_and_transfer_rates_change_nothing():

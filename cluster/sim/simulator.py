@@ -18,8 +18,8 @@ It is what cluster/service.py does with messages, done with method calls:
   time (scheduler/transfer.py) and the request joins that instance's queue with its prompt computed; the prefill
   instance frees its blocks as the transfer ends; queued, the hand-off waits in the router's queue; with
   `autoscale`, every prompt placed on a prefill instance feeds the autoscaler's prefill token rate, every decode
-  instance's reported steps its decode token rate (through the router) and every hand-off its KV byte rate, as the
-  service's do, and its plan (the reports synced first, as the service hears them as they come) starts prefill
+  instance's reported steps its decode token rate and every hand-off its KV byte rate (both through the router),
+  as the service's do, and its plan (the reports synced first, as the service hears them as they come) starts prefill
   instances and stops idle ones as it does decode instances (one holding a hand-off's KV is kept);
 - a finish is `router.on_finished`, then `retry_queued`; a periodic tick (the service's 50 ms) retries the queues
   and asks the autoscaler for a plan: instances it starts are ready after `cold_start_s`, the ones it stops drain
@@ -44,7 +44,7 @@ from cluster.router import InstanceReport, Outcome, Router
 from cluster.sim.instance import IDLE, MissTally, SimInstance, SimRequest
 from scheduler.transfer import LINKS, transfer_model
 from cluster.sim.workload import REFUSED, Workload
-from scheduler.headroom import DEFAULT_TARGET, Headroom
+from scheduler.headroom import DEFAULT_TARGET, Headroom, check_headroom_target
 from scheduler.latency_model import LatencyModel
 from scheduler.online_fit import OnlineLatencyModel
 from scheduler.policy import BATCH_POLICIES, make_batch_policy
@@ -105,8 +105,7 @@ class SimConfig:
             raise ValueError("max_prefill_chunk cannot exceed max_num_batched_tokens")
         if self.report_every_steps < 1:
             raise ValueError(f"report_every_steps must be positive, got {self.report_every_steps}")
-        if not 0 < self.headroom_target < 1:
-            raise ValueError(f"headroom target must lie in (0, 1), got {self.headroom_target}")
+        check_headroom_target(self.headroom_target)
         if self.transfer not in LINKS:
             raise ValueError(f"transfer must be one of {', '.join(LINKS)}, got {self.transfer!r}")
         if self.prefill_instances < 0:
@@ -408,15 +407,13 @@ class Simulator:
             self._prefilled[sreq.request_id] = (inst, sreq.num_blocks)
             self._handed_off.add(sreq.request_id)
             sreq.num_blocks = 0  # the blocks it will hold are the decode instance's
-            if router.autoscaler is not None:
-                router.autoscaler.transfer_bytes.add(now, sreq.num_prompt_tokens * router.transfer.bytes_per_token)
             router.on_finished(sreq.request_id, sreq.num_output_tokens, now, completed=False)
             self._hand_off(sreq, now)
         if router.waiting_tiers():
             self._dispatch(router.retry_queued(now))
 
-    def _hand_off(self, sreq: SimRequest, now: float) -> None:
-        decision = self.router.hand_off(self._routed[sreq.request_id], now)
+    def _hand_off(self, sreq: SimRequest, now: float, *, retry: bool = False) -> None:
+        decision = self.router.hand_off(self._routed[sreq.request_id], now, retry=retry)
         if decision.outcome is Outcome.PLACED:
             self._place(sreq, decision.instance_id, now)
         elif decision.outcome is not Outcome.QUEUED:  # no decode instance at all: the stream ends in an error
@@ -505,7 +502,7 @@ class Simulator:
             self._sync_reports(now)
             refused, self._refused_imports = self._refused_imports, []
             for sreq in refused:
-                self._hand_off(sreq, now)
+                self._hand_off(sreq, now, retry=True)
         if router.waiting_tiers():
             self._sync_reports(now)
             self._dispatch(router.retry_queued(now))
