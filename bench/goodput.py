@@ -916,12 +916,13 @@ def pd_splits(num_instances: int) -> list[int]:
 
 def run_pd(pool, plan: Plan, setup: Setup) -> dict:
     """Goodput (headline rule) in PD mode of each of PD_POLICIES at its best split of PD_PREFILL_SHARES, beside
-    co-located PolyServe and mixed-deadline-admission on as many instances, at each of `plan.pd_fleets`, printed."""
+    co-located PolyServe and mixed-deadline-admission on as many instances, at each of `plan.pd_fleets` (each in
+    the matrix's window for its size), printed."""
     bound = setup.bound()
     built = build_setup(setup)
     co_budget = co_chunk_budget(built.model, built.tiers, bound)
-    jobs = [SearchJob(setup, policy, n, co_budget, plan.seeds, 0.7 * bound.rate(n), 1.1 * bound.rate(n),
-                      plan.rel_tol, prefill)
+    jobs = [SearchJob(replace(setup, window_s=plan.cell_window_s(n)), policy, n, co_budget, plan.seeds,
+                      0.7 * bound.rate(n), 1.1 * bound.rate(n), plan.rel_tol, prefill)
             for n in plan.pd_fleets
             for policy, splits in [*((p, pd_splits(n)) for p in PD_POLICIES),
                                    ("polyserve", [0]), ("mixed-deadline-admission", [0])]
@@ -929,7 +930,8 @@ def run_pd(pool, plan: Plan, setup: Setup) -> dict:
     with _progress(len(jobs), "PD goodput") as progress:
         searches = _map_largest_first(pool, jobs, progress)
     print(f"\nPD disaggregation, {setup.workload.name}, KV over {PD_LINK} (headline goodput, req/s: every tier >= 90 % "
-          f"attaining; window {setup.window_s:.0f} s after {setup.warmup_s:.0f} s; the best static split of "
+          f"attaining; window {', '.join(f'{plan.cell_window_s(n):g} s at {n}' for n in plan.pd_fleets)} after "
+          f"{setup.warmup_s:.0f} s; the best static split of "
           f"{', '.join(f'{x:g}' for x in PD_PREFILL_SHARES)} of the fleet prefilling):")
     rows = []
     for n in plan.pd_fleets:
