@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench.calibration_replay import engine_policy, engine_setup
-from cluster.sim.calibration import (STALL_THRESHOLD_S, EngineReplay, attained, host_time, live_latencies,
+from cluster.sim.calibration import (STALL_THRESHOLD_S, busy_gaps, EngineReplay, attained, host_time, live_latencies,
                                      replay_on_engine, replay_on_fleet, simulated_with_host_time, write_emulated_model_folder)
 from cluster.sim.simulator import SimConfig
 from cluster.sim.workload import Workload
@@ -79,6 +79,22 @@ def test_host_time_stall_is_what_the_fit_leaves_over_the_threshold():
     over = residual[residual > STALL_THRESHOLD_S] - STALL_THRESHOLD_S
     assert len(over) == 1 and stall == pytest.approx(over.sum() + 0.02 - STALL_THRESHOLD_S, abs=1e-12)
     assert 0.04 < stall < 0.07
+
+
+def test_the_engines_time_between_busy_steps_is_host_time():
+    """What an engine does after a step is measured and before its next step starts (its bookkeeping, its loop) is
+    host time too, while requests are left to run; the time an idle engine waits for work is not."""
+    seqs = [1, 2, 4, 8, 16, 32]
+    stats, slept = steps([1e-4 + 5e-6 * n for n in seqs], seqs)
+    stats = [dataclasses.replace(s, start=i * 0.1) for i, s in enumerate(stats)]  # each 0.1 s after the last
+    idle = dataclasses.replace(stats[2], num_running=0, num_waiting=0)  # nothing left after it: the engine waits
+    stats[2] = idle
+    between = busy_gaps(stats)
+    assert between[2] == 0.0 and between[-1] == 0.0
+    assert between[0] == pytest.approx(0.1 - stats[0].duration) and between[3] == pytest.approx(0.1 - stats[3].duration)
+    const, per_seq, _ = host_time(stats, slept, between=between)
+    alone, _, _ = host_time(stats, slept)
+    assert const > alone + 0.05  # the time before each busy step's successor counts
 
 
 def test_host_time_fit_never_goes_negative():

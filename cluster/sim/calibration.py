@@ -85,12 +85,13 @@ class EngineReplay:
     token_times: list[list[float] | None]
     num_steps: int
     wall_s: float
-    # host time per step: measured step time - the time the executor slept ~ step_overhead_s + per_seq * sequences,
-    # least squares (non-negative) over the last steps the engine kept
+    # host time per step: measured step time and the engine's time until its next step (`busy_gaps`) - the time the
+    # executor slept ~ step_overhead_s + per_seq * sequences, least squares (non-negative) over the last steps the
+    # engine kept
     step_overhead_s: float
     step_overhead_per_seq_s: float
-    # real clock: time that neither the model nor the fit explains (steps more than STALL_THRESHOLD_S over the
-    # fit, gaps longer than that between busy steps, wake-ups for an arrival later than that): the CPU held by
+    # real clock: time that neither the model nor the fit explains (steps, with the time until the next, more than
+    # STALL_THRESHOLD_S over the fit, wake-ups for an arrival later than that): the CPU held by
     # another process, or this one paused. No simulator can know of it, so a run with much of it says nothing about
     # the simulator. 0 on the virtual clock.
     stall_s: float = 0.0
@@ -132,8 +133,7 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
         token_times: list[list[float] | None] = [None] * n
         ids: dict[str, int] = {}
         i = steps = 0
-        gaps: list[float] = []  # from one step's end to the next step's start, the engine busy throughout
-        last_step_end: float | None = None
+        gaps: list[float] = []  # wake-ups for an arrival later than it
         while i < n or engine.has_unfinished():
             t = now()
             while i < n and arrivals[i] <= t:
@@ -145,24 +145,21 @@ def replay_on_engine(workload: Workload, model: LatencyModel, policy: BatchPolic
                     ids[f"r{i}"] = i
                 i += 1
             if engine.has_unfinished():
-                if last_step_end is not None:
-                    gaps.append(now() - last_step_end)
                 for out in engine.step():
                     if out.finished:
                         token_times[ids[out.request_id]] = list(out.token_times)
                 steps += 1
-                last_step_end = now()
                 if steps > max_steps:
                     raise RuntimeError(f"the engine did not finish the workload within {max_steps} steps")
             elif i < n:
-                last_step_end = None
                 if clock == "virtual":
                     virtual.now = arrivals[i]
                 else:
                     time.sleep(max(0.0, arrivals[i] - now()))
                     gaps.append(now() - arrivals[i])  # a late wake-up delays the arrival like a gap between steps
     slept = [model.predict(s.num_prefill_tokens, s.num_decode_seqs, s.num_kv_tokens) for s in engine.step_stats]
-    return EngineReplay(token_times, steps, time.monotonic() - t0, *host_time(engine.step_stats, slept, gaps))
+    return EngineReplay(token_times, steps, time.monotonic() - t0,
+                        *host_time(engine.step_stats, slept, gaps, busy_gaps(engine.step_stats)))
 
 
 @contextlib.contextmanager
@@ -194,7 +191,7 @@ class FleetReplay:
     # as EngineReplay's, fitted to the step reports of every engine
     step_overhead_s: float
     step_overhead_per_seq_s: float
-    # the engines' steps (their gaps between steps are not reported) and the router's event loop late by over
+    # the engines' steps (with the time until each one's next) and the router's event loop late by over
     # STALL_THRESHOLD_S
     stall_s: float
     # with token_times: the instance that emitted each token (None where token_times is)
@@ -265,12 +262,13 @@ async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: 
     finally:
         await service.stop()
     reports = [r for steps in service.step_reports.values() for r in steps]
+    between = [g for steps in service.step_reports.values() for g in busy_gaps(steps)]
     slept = _slept(service.step_reports, model, prediction_error, step_seed)
     token_instances = [None if times is None else service.token_instances[f"r{i}"]
                        for i, times in enumerate(token_times)]
     return FleetReplay(token_times, failed, refused, wall,
                        {instance_id: len(steps) for instance_id, steps in service.step_reports.items()},
-                       *host_time(reports, slept, lags), token_instances, roles, dict(service.counts),
+                       *host_time(reports, slept, lags, between), token_instances, roles, dict(service.counts),
                        prefill_instances, transfer)
 
 
@@ -332,13 +330,27 @@ async def _send_all(service: RouterService, workload: Workload) -> tuple[list[li
     return token_times, failed, refused, wall, lags
 
 
-def host_time(stats, slept: Sequence[float], gaps: list[float] = ()) -> tuple[float, float, float]:
-    """What steps took beyond what the executor slept in each (`slept`, one entry per step of `stats`): a
-    (constant, per sequence) fit, and the stall, the time the fit does not explain (steps more than
-    STALL_THRESHOLD_S over it, and `gaps` longer than that)."""
+def busy_gaps(stats: Sequence) -> list[float]:
+    """For each of one engine's consecutive steps, the time from its end (as measured) to the next step's start
+    while requests were left to run (0 where none was, or for the last): the engine's own work between steps
+    (its bookkeeping after a step is measured, the loop around it), which the next step waits for as it waits for
+    the step's own host time."""
+    stats = list(stats)
+    return [nxt.start - cur.start - cur.duration if cur.num_running + cur.num_waiting else 0.0
+            for cur, nxt in zip(stats, stats[1:])] + [0.0] * bool(stats)
+
+
+def host_time(stats, slept: Sequence[float], gaps: Sequence[float] = (),
+              between: Sequence[float] = ()) -> tuple[float, float, float]:
+    """What steps took beyond what the executor slept in each (`slept`, one entry per step of `stats`), with the
+    time after each step until the next one (`between`, one entry per step: `busy_gaps`; none: 0): a (constant,
+    per sequence) fit, and the stall, the time the fit does not explain (steps more than STALL_THRESHOLD_S over it,
+    and `gaps` longer than that)."""
     if len(stats) < 2:
         return 0.0, 0.0, 0.0
     extra = np.array([s.duration for s in stats]) - np.asarray(slept, dtype=float)
+    if len(between):
+        extra += np.asarray(between, dtype=float)
     seqs = np.array([s.num_seqs for s in stats], dtype=float)
     a = np.vstack([np.ones_like(seqs), seqs]).T
     const, per_seq = np.linalg.lstsq(a, extra, rcond=None)[0]
