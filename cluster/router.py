@@ -45,7 +45,7 @@ from scheduler.attainability import Attainability, AttainabilityChecker
 from scheduler.instance_state import InstanceState, RequestSnapshot
 from scheduler.headroom import DEFAULT_TARGET, Headroom
 from scheduler.latency_model import LatencyModel
-from scheduler.online_fit import OnlineLatencyModel
+from scheduler.online_fit import online_latency_model
 from scheduler.output_length import OutputLengthTracker
 from scheduler.tiers import TierSet
 from scheduler.transfer import TransferModel
@@ -147,7 +147,7 @@ class Router:
         self.shed: list[RoutedRequest] = []  # queued requests given up, for the caller to answer (`take_shed`)
         if queue_limit < 0:
             raise ValueError(f"queue_limit must be non-negative, got {queue_limit}")
-        self.model = OnlineLatencyModel(latency_model, max_prefill_tokens=max_prefill_chunk)
+        self.model = online_latency_model(latency_model, max_prefill_tokens=max_prefill_chunk)
         self.tiers, self.policy, self.autoscaler = tiers, policy, autoscaler
         self.queue_limit, self.max_prefill_chunk = queue_limit, max_prefill_chunk
         self.output_lengths = OutputLengthTracker(expected_output_tokens)
@@ -313,6 +313,7 @@ class Router:
         for step in report.steps:
             self.model.observe(step)
         residents, end = view.residents, report.iteration_end
+        headroom = None  # of the tier the instance is held to, the same for each of its residents
         for r in report.residents:
             req = residents.get(r.request_id)
             if req is not None:
@@ -321,7 +322,8 @@ class Router:
                     if req.num_output_tokens == 0 and not req.late:
                         first_token = self.first_token_headroom[req.tier_index]
                         first_token.missed() if end > req.first_token_due else first_token.attained()
-                    headroom = self.headroom[self._held_to(view, req)]
+                    if headroom is None:
+                        headroom = self.headroom[self._held_tier(view)]
                     req.standing = headroom.note_token(req.standing, req.num_output_tokens == 0,
                                                        end > req.first_token_due + (out - 1) * req.tpot_s)
                 req.num_output_tokens = out

@@ -11,9 +11,9 @@ from engine.executor import EmulatedExecutor, StepTimeFn
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from scheduler import A100_SXM, H100_SXM, H200_SXM, GpuSpec, LatencyModel, ModelShape, OnlineLatencyModel, \
-    RooflineLatencyModel
+from scheduler import A100_SXM, H100_SXM, H200_SXM, GpuSpec, LatencyModel, ModelShape, RooflineLatencyModel
 from scheduler.headroom import Headroom
+from scheduler.online_fit import online_latency_model
 from scheduler.policy import make_batch_policy
 from scheduler.prediction_error import StepTruth, prediction_error
 from scheduler.slo import SLO
@@ -48,9 +48,9 @@ def build_engine(config: EngineConfig, policy: BatchPolicy | None = None, latenc
         executor = ModelRunner(model_cfg, config)
         dtype_bytes = executor.kv_cache.element_size()
     prior = known or RooflineLatencyModel(device_spec(config.device), model_shape(model_cfg, dtype_bytes))
-    online = OnlineLatencyModel(prior, max_prefill_tokens=config.max_num_batched_tokens,
-                                max_decode_seqs=config.max_num_seqs,
-                                max_kv_tokens=executor.num_kv_blocks * config.block_size)
+    online = online_latency_model(prior, max_prefill_tokens=config.max_num_batched_tokens,
+                                  max_decode_seqs=config.max_num_seqs,
+                                  max_kv_tokens=executor.num_kv_blocks * config.block_size)
     headroom = Headroom(config.headroom_target)
     if policy is None:
         policy = make_batch_policy(config.batch_policy, online, config.max_num_seqs, config.max_num_batched_tokens,

@@ -5,6 +5,7 @@ the engine's own step timings) and `RooflineLatencyModel` (GPU and model figures
 """
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
 
 from scheduler.types import StepStats
@@ -19,13 +20,30 @@ class LatencyModel(Protocol):
 
 @runtime_checkable
 class ChunkSolvingModel(LatencyModel, Protocol):
-    """A model that solves its own prediction for the prefill chunk (the roofline's quadratic in c)."""
+    """A model whose prediction is a quadratic in the prefill chunk (the roofline's: the chunk's causal pairs), and
+    that solves it for the chunk."""
 
     def chunk_within(self, budget_s: float, num_prefill_tokens: int, num_decode_seqs: int,
                      num_kv_tokens: int) -> float:
         """The real c >= 0 at which predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) reaches
         `budget_s` (0 when even c = 0 is over it)."""
         ...
+
+    def chunk_polynomial(self, num_prefill_tokens: int, num_decode_seqs: int,
+                         num_kv_tokens: int) -> tuple[float, float, float]:
+        """(q, l, k) with predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) = q c^2 + l c + k
+        for every c >= 1 (the batch holds prefill tokens), up to rounding."""
+        ...
+
+
+def quadratic_root(quadratic: float, linear: float, constant: float) -> float:
+    """The real c >= 0 at which quadratic c^2 + linear c + constant reaches 0, for quadratic, linear >= 0 (a
+    prediction less its budget, growing with c): 0 when it is not below 0 at c = 0, inf when it never reaches 0."""
+    if constant >= 0:
+        return 0.0
+    denominator = linear + math.sqrt(linear * linear - 4.0 * quadratic * constant)
+    # the positive root, in the form without cancellation
+    return -2.0 * constant / denominator if denominator > 0 else math.inf
 
 
 @runtime_checkable
@@ -55,6 +73,11 @@ class ScaledChunkSolvingModel(ScaledLatencyModel):
     def chunk_within(self, budget_s: float, num_prefill_tokens: int, num_decode_seqs: int,
                      num_kv_tokens: int) -> float:
         return self.base.chunk_within(budget_s / self.scale, num_prefill_tokens, num_decode_seqs, num_kv_tokens)
+
+    def chunk_polynomial(self, num_prefill_tokens: int, num_decode_seqs: int,
+                         num_kv_tokens: int) -> tuple[float, float, float]:
+        q, l, k = self.base.chunk_polynomial(num_prefill_tokens, num_decode_seqs, num_kv_tokens)
+        return self.scale * q, self.scale * l, self.scale * k
 
 
 def scaled(base: LatencyModel, scale: float) -> LatencyModel:

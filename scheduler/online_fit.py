@@ -25,8 +25,9 @@ sensible prefill cost). Before any step the model is the prior.
 from __future__ import annotations
 
 import math
+import operator
 
-from scheduler.latency_model import LatencyModel
+from scheduler.latency_model import ChunkSolvingModel, LatencyModel, quadratic_root
 from scheduler.types import StepStats
 
 NUM_FEATURES = 7
@@ -130,6 +131,38 @@ class OnlineLatencyModel:
         self._coef = [value * scale for value, scale in zip(coef, self._scale)]
 
 
+class OnlineChunkSolvingModel(OnlineLatencyModel):
+    """`OnlineLatencyModel` over a prior that solves for its chunk: every term of the fit is then a quadratic in the
+    chunk too, so the fit solves for it as well (`scheduler.chunking.largest_chunk` starts from its root)."""
+
+    def chunk_polynomial(self, num_prefill_tokens: int, num_decode_seqs: int,
+                         num_kv_tokens: int) -> tuple[float, float, float]:
+        c = self._coef
+        if c is None:
+            self._refit()
+            c = self._coef
+        p, d = num_prefill_tokens, num_decode_seqs
+        quadratic, linear = c[2], c[1] + 2 * p * c[2] + c[5]
+        constant = c[0] + p * (c[1] + p * c[2]) + d * c[3] + num_kv_tokens * c[5]
+        if c[4]:
+            constant += math.log1p(d) * c[4]
+        if c[6]:
+            q, l, k = self.prior.chunk_polynomial(p, d, num_kv_tokens)
+            quadratic, linear, constant = quadratic + q * c[6], linear + l * c[6], constant + k * c[6]
+        return quadratic, linear, constant
+
+    def chunk_within(self, budget_s: float, num_prefill_tokens: int, num_decode_seqs: int,
+                     num_kv_tokens: int) -> float:
+        quadratic, linear, constant = self.chunk_polynomial(num_prefill_tokens, num_decode_seqs, num_kv_tokens)
+        return quadratic_root(quadratic, linear, constant - budget_s)
+
+
+def online_latency_model(prior: LatencyModel, **limits) -> OnlineLatencyModel:
+    """An `OnlineLatencyModel` over `prior` (`limits`: its keyword arguments), one that solves for its chunk when
+    the prior does."""
+    return (OnlineChunkSolvingModel if isinstance(prior, ChunkSolvingModel) else OnlineLatencyModel)(prior, **limits)
+
+
 def _nonnegative_least_squares(a: list[list[float]], b: list[float],
                                start: list[int] = ()) -> tuple[list[float], list[int]]:
     """argmin x'ax - 2b'x over x >= 0, for a symmetric positive definite: Lawson and Hanson's active-set method
@@ -184,17 +217,23 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if m[pivot][col] == 0:
+        pivot, largest = col, abs(m[col][col])
+        for r in range(col + 1, n):
+            v = abs(m[r][col])
+            if v > largest:
+                pivot, largest = r, v
+        if largest == 0:
             raise ArithmeticError("singular normal equations")  # the ridge rules this out
         m[col], m[pivot] = m[pivot], m[col]
+        prow = m[col]
+        diagonal, tail = prow[col], prow[col:]
         for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
+            row = m[r]
+            f = row[col] / diagonal
             if f:
-                row, prow = m[r], m[col]
-                for c in range(col, n + 1):
-                    row[c] -= f * prow[c]
+                row[col:] = [v - f * w for v, w in zip(row[col:], tail)]
     x = [0.0] * n
     for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+        row = m[r]
+        x[r] = (row[n] - sum(map(operator.mul, row[r + 1:n], x[r + 1:n]))) / row[r]
     return x

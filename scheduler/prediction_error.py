@@ -226,6 +226,12 @@ class ExpectedChunkSolvingModel(ExpectedLatencyModel):
         left = (budget_s - self.fixed_s - self.per_seq_s * (num_decode_seqs + 1)) / self.scale
         return self.base.chunk_within(left, num_prefill_tokens, num_decode_seqs, num_kv_tokens)
 
+    def chunk_polynomial(self, num_prefill_tokens: int, num_decode_seqs: int,
+                         num_kv_tokens: int) -> tuple[float, float, float]:
+        q, l, k = self.base.chunk_polynomial(num_prefill_tokens, num_decode_seqs, num_kv_tokens)
+        return (self.scale * q, self.scale * l,
+                self.scale * k + self.fixed_s + self.per_seq_s * (num_decode_seqs + 1))
+
 
 def expected_latency_model(model: LatencyModel, error: PredictionError) -> LatencyModel:
     """The truth's mean step time under `error`: what bounds are computed on. `model` itself when the error

@@ -16,10 +16,9 @@ under-charges a chunk with a long prefix (the prefix * c pairs); the online fit 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from scheduler.latency_model import LatencyModel, scaled
+from scheduler.latency_model import LatencyModel, quadratic_root, scaled
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,17 +121,16 @@ class RooflineLatencyModel:
         """The real c >= 0 at which predict(num_prefill_tokens + c, num_decode_seqs, num_kv_tokens + c) reaches
         `budget_s` (0 when even c = 0 is over it): `predict` is a quadratic in c there (the causal pairs of the
         prefill), so `scheduler.chunking.largest_chunk` starts its search from this root."""
+        quadratic, linear, constant = self.chunk_polynomial(num_prefill_tokens, num_decode_seqs, num_kv_tokens)
+        return quadratic_root(quadratic, linear, constant - budget_s)
+
+    def chunk_polynomial(self, num_prefill_tokens: int, num_decode_seqs: int,
+                         num_kv_tokens: int) -> tuple[float, float, float]:
         p, d, kv = num_prefill_tokens, num_decode_seqs, num_kv_tokens
         pair_s = self._per_pair_s
-        # predict - budget_s = quadratic * c^2 + linear * c + constant
-        quadratic = 0.5 * pair_s
-        linear = self._per_token_s + self._per_kv_token_s + pair_s + p * pair_s
-        constant = (self._fixed_s + (p + d) * self._per_token_s + (d + 1) * self._per_logit_s
-                    + kv * (self._per_kv_token_s + pair_s) + 0.5 * p * p * pair_s - budget_s)
-        if constant >= 0:
-            return 0.0
-        # the positive root, in the form without cancellation
-        return -2.0 * constant / (linear + math.sqrt(linear * linear - 4.0 * quadratic * constant))
+        return (0.5 * pair_s, self._per_token_s + self._per_kv_token_s + pair_s + p * pair_s,
+                self._fixed_s + (p + d) * self._per_token_s + (d + 1) * self._per_logit_s
+                + kv * (self._per_kv_token_s + pair_s) + 0.5 * p * p * pair_s)
 
 
 # NVIDIA H200 SXM datasheet: 141 GB HBM3e.

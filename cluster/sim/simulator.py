@@ -46,7 +46,7 @@ from scheduler.transfer import LINKS, transfer_model
 from cluster.sim.workload import REFUSED, Workload
 from scheduler.headroom import DEFAULT_TARGET, Headroom, check_headroom_target
 from scheduler.latency_model import LatencyModel
-from scheduler.online_fit import OnlineLatencyModel
+from scheduler.online_fit import online_latency_model
 from scheduler.policy import BATCH_POLICIES, make_batch_policy
 from scheduler.prediction_error import EXACT, PredictionError, StepTruth
 from scheduler.roofline import kv_blocks_for_gpu
@@ -220,8 +220,8 @@ class Simulator:
         cfg = self.config
         truth = StepTruth(self.model, cfg.prediction_error, f"{cfg.seed}/{index}")
         # as build_engine builds an engine's
-        learned = OnlineLatencyModel(self.model, max_prefill_tokens=cfg.max_num_batched_tokens,
-                                     max_decode_seqs=cfg.max_num_seqs, max_kv_tokens=cfg.kv_blocks * cfg.block_size)
+        learned = online_latency_model(self.model, max_prefill_tokens=cfg.max_num_batched_tokens,
+                                       max_decode_seqs=cfg.max_num_seqs, max_kv_tokens=cfg.kv_blocks * cfg.block_size)
         headroom = Headroom(cfg.headroom_target)
         inst = SimInstance(index, self.policy_factory(learned, headroom), truth, learned, headroom, cfg.kv_blocks,
                            cfg.block_size, self._push_step_event, self._on_finish, fast_forward=cfg.fast_forward,
