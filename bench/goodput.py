@@ -2,7 +2,7 @@
 
     python -m bench.goodput [--quick] [--prediction-error gpu-typical] [--workloads conv-4tier,code-4tier,...]
                             [--policies polyserve,random,...] [--ablations] [--fleets 8,16,64] [--leader-fleets 256]
-                            [--seeds 2] [--processes 2] [--latency-profile FILE] [--out bench/results]
+                            [--seeds 2] [--processes 2] [--latency-profile FILE] [--out bench/results] [--resume]
     python -m bench.goodput --experiments autoscaled,speed,calibration,scan,pd   (the other experiments; matrix too)
     python -m bench.goodput --experiments scan --scan-fleets 256 --scan-rel-tol 0.02 [--scan-bracket LOW,HIGH]
     python -m bench.goodput --replot bench/results/goodput.json   (only redraw the plots of a saved report)
@@ -37,6 +37,9 @@ about 11 min on one core (12 to 18 runs of 20 s simulated), so the forty of them
 256-instance cells about 3 h more; --leader-fleets '' leaves those out, more --processes divide the rest. What
 keeps it there: cell_jobs (brackets from the smaller fleet, weak baselines searched coarsely) and CellJob (the
 strict search started just below the headline goodput). The cost estimates predate the strict search's own runs.
+Each job's result is kept in <out>/goodput_progress.json as it finishes: a run stopped part way (the full matrix
+takes longer than one sitting) goes on with --resume where it stopped and gives what the whole run would have;
+only a run of the same options and the same code (`code_fingerprint`) resumes from it.
 
 Other experiments (--experiments): autoscaled: PolyServe autoscaled through conv-phase's phase change, SLO-attaining
 requests per instance-second held; speed: the time to simulate the whole conversation trace at 64 instances;
@@ -75,6 +78,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import multiprocessing
@@ -642,14 +646,16 @@ def _progress(total: int, label: str):
     return tqdm(total=total, desc=label, file=sys.stderr, smoothing=0.05)
 
 
-def _map(pool, jobs, progress) -> list:
+def _map(pool, jobs, progress, on_result: Callable[[object, dict], None] | None = None) -> list:
     """Every job's `run()`, through the pool when there is one; results in job order; the `progress` bar advances
-    as each job finishes."""
+    and `on_result(job, result)` is called as each job finishes."""
     out = [None] * len(jobs)
     indexed = list(enumerate(jobs))
     for i, result in (pool.imap_unordered(_run_indexed, indexed) if pool else map(_run_indexed, indexed)):
         out[i] = result
         progress.update()
+        if on_result is not None:
+            on_result(jobs[i], result)
     return out
 
 
@@ -732,11 +738,75 @@ def sweep_jobs(plan: Plan, sweep_setups: dict[str, MatrixWorkload], policies: li
             for w in sweep_setups.values() for policy in policies for load in plan.sweep_loads for seed in plan.seeds]
 
 
+def job_key(job: CellJob | SweepJob) -> str:
+    """What names a matrix job's result among those of one plan on one code (`MatrixProgress`)."""
+    if isinstance(job, CellJob):
+        return f"cell|{job.setup.workload.name}|{job.policy}|{job.num_instances}"
+    return f"sweep|{job.setup.prediction_error}|{job.policy}|{job.num_instances}|{job.rate!r}|{job.seed}"
+
+
+def code_fingerprint() -> str:
+    """The source of every module of this project loaded here (the simulator, the policies, this file), hashed:
+    what a matrix's figures depend on besides its plan."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for name, module in sorted(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or not path.endswith(".py"):
+            continue
+        path = Path(path).resolve()
+        if path.is_relative_to(root) and path.relative_to(root).parts[0] in PROJECT_PACKAGES:
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+PROJECT_PACKAGES = ("bench", "cluster", "engine", "kernels", "scheduler")
+
+
+@dataclass(slots=True)
+class MatrixProgress:
+    """The matrix jobs finished so far, kept in a file after each one, so that a run stopped part way is resumed
+    where it stopped (`--resume`) and gives what the whole run would have: only a run of the same code and the same
+    plan (`key`) resumes from it, and every round is built from the same results in the same order as it would be."""
+    path: Path
+    key: dict
+    results: dict[str, dict] = field(default_factory=dict)  # by job_key
+
+    @classmethod
+    def open(cls, path: Path, key: dict, resume: bool) -> "MatrixProgress":
+        """The progress kept at `path` by a run of `key` (`resume`, when there is one), or none (a fresh start)."""
+        key = json.loads(json.dumps(key, default=_json_default))  # as the file holds it
+        if not resume or not path.exists():
+            return cls(path, key)
+        saved = json.loads(path.read_text())
+        if saved.get("key") != key:
+            differs = sorted(k for k in key.keys() | saved.get("key", {}).keys()
+                             if key.get(k) != saved.get("key", {}).get(k))
+            raise SystemExit(f"{path}: made by another run ({', '.join(differs)} differ); run without --resume "
+                             f"to start the matrix afresh")
+        return cls(path, key, saved["results"])
+
+    def add(self, job: CellJob | SweepJob, result: dict) -> None:
+        self.results[job_key(job)] = result
+        scratch = self.path.with_suffix(".tmp")
+        scratch.write_text(json.dumps({"key": self.key, "results": self.results}, default=_json_default))
+        scratch.replace(self.path)
+
+    def run(self, pool, jobs: list, progress) -> list[dict]:
+        """Every job's result in job order, those not finished before run now."""
+        todo = [job for job in jobs if job_key(job) not in self.results]
+        progress.update(len(jobs) - len(todo))
+        _map(pool, todo, progress, self.add)
+        return [self.results[job_key(job)] for job in jobs]
+
+
 def run_matrix(pool, plan: Plan, workloads: list[MatrixWorkload], sweep_setups: dict[str, MatrixWorkload] | None,
-               checkpoint: Callable[[list[dict], list[dict]], None]) -> tuple[list[dict], list[dict]]:
+               checkpoint: Callable[[list[dict], list[dict]], None],
+               progress_file: MatrixProgress) -> tuple[list[dict], list[dict]]:
     """Every cell, a round per fleet size from the smallest (each starts its searches from the smaller fleets'
     results), the leader fleets last; the error sweep (with `sweep_setups`) in the round after its fleet's, to keep
-    the pool busy. `checkpoint(cells, sweep runs)` after every round. Returns the cells and the sweep's runs."""
+    the pool busy. `checkpoint(cells, sweep runs)` after every round; `progress_file` keeps each job's result as
+    it finishes and gives those it held already. Returns the cells and the sweep's runs."""
     leader_count = ("polyserve" in plan.policies) + any(p in BASELINES for p in plan.policies)
     total = (len(plan.policies) * len(plan.fleets) + leader_count * len(plan.leader_fleets)) * len(workloads)
     if sweep_setups:
@@ -762,12 +832,12 @@ def run_matrix(pool, plan: Plan, workloads: list[MatrixWorkload], sweep_setups: 
                                   plan.leader_rel_tol if leaders_only else plan.rel_tol)
             extra = sweep_round() if sweep_ready() else []
             sweep_pending = sweep_pending and not extra
-            results = _map(pool, jobs + extra, progress)
+            results = progress_file.run(pool, jobs + extra, progress)
             cells += results[:len(jobs)]
             sweep += results[len(jobs):]
             checkpoint(cells, sweep)
         if sweep_ready():  # its fleet's round was the last
-            sweep = _map(pool, sweep_round(), progress)
+            sweep = progress_file.run(pool, sweep_round(), progress)
             checkpoint(cells, sweep)
     return cells, sweep
 
@@ -1086,6 +1156,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "which then decode, on the same workload (default 0: co-located)")
     ap.add_argument("--pd-fleets", default=None, help="comma-separated fleet sizes of the PD experiment "
                                                       "(full: 8,16,64)")
+    ap.add_argument("--resume", action="store_true",
+                    help="matrix: go on from the jobs <out>/goodput_progress.json holds (a run of the same code "
+                         "and options stopped part way)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the plots of a saved report")
     return ap.parse_args(argv)
@@ -1119,7 +1192,10 @@ def main(argv=None) -> None:
                 report["matrix"] = matrix_report(workloads, cells, sweep, plan, args.prediction_error, sweep_setups)
                 _write_report(report, path, t_start)
 
-            run_matrix(pool, plan, workloads, sweep_setups, checkpoint)
+            key = {"code": code_fingerprint(), **{k: v for k, v in report.items() if k != "wall_s"},
+                   "workloads": [s.name for s in specs], "sweep": bool(sweep_setups)}
+            progress_file = MatrixProgress.open(out_dir / "goodput_progress.json", key, args.resume)
+            run_matrix(pool, plan, workloads, sweep_setups, checkpoint, progress_file)
             print_matrix(report["matrix"])
             if "sweep" in report["matrix"]:
                 print_sweep(report["matrix"]["sweep"])

@@ -1,0 +1,69 @@
+"""A goodput matrix stopped part way and resumed gives what the whole run gives, running only what was left."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+
+import pytest
+
+from bench.goodput import MatrixProgress, make_plan, matrix_workloads, parse_args, run_matrix
+from cluster.sim.workload import workload_spec
+
+WORKLOAD = "conv-2tier"
+
+
+def _plan():
+    args = parse_args(["--quick", "--workloads", WORKLOAD, "--policies", "polyserve,mixed-deadline", "--fleets", "2,4",
+                       "--leader-fleets", "", "--seeds", "1", "--rel-tol", "0.3", "--processes", "1"])
+    # a short window on tiny fleets: the figures are not the point, only that they come out the same
+    return replace(make_plan(args), warmup_s=2.0, window_s=2.0, window_instance_s=0.0)
+
+
+def _run(plan, progress: MatrixProgress) -> list[dict]:
+    workloads = matrix_workloads([workload_spec(WORKLOAD)], plan, None, "exact")
+    cells, sweep = run_matrix(None, plan, workloads, None, lambda cells, sweep: None, progress)
+    assert sweep == []
+    return cells
+
+
+def _figures(cell: dict) -> list:
+    return json.loads(json.dumps([cell["headline"]["goodput"], cell["strict"]["goodput"], cell["headline"]["probes"],
+                                  cell["strict"]["probes"]]))
+
+
+def _by_key(cells: list[dict]) -> dict[str, dict]:
+    return {f"cell|{c['workload']}|{c['policy']}|{c['num_instances']}": c for c in cells}
+
+
+def test_a_resumed_matrix_runs_only_what_was_left_and_gives_the_whole_runs_figures(tmp_path):
+    plan = _plan()
+    key = {"plan": asdict(plan)}
+    path = tmp_path / "progress.json"
+    whole = _by_key(_run(plan, MatrixProgress.open(path, key, resume=False)))
+    assert len(whole) == 4  # two policies at two fleet sizes
+    saved = json.loads(path.read_text())["results"]
+    assert saved.keys() == whole.keys()
+
+    # stopped with one cell of the larger fleet left; the other one marked, to tell a kept result from a rerun
+    left = f"cell|{WORKLOAD}|mixed-deadline|4"
+    marked = f"cell|{WORKLOAD}|polyserve|4"
+    kept = {k: v for k, v in saved.items() if k != left}
+    kept[marked]["headline"]["goodput"] = 12345.0
+    path.write_text(json.dumps({"key": json.loads(path.read_text())["key"], "results": kept}))
+    resumed = _by_key(_run(plan, MatrixProgress.open(path, key, resume=True)))
+
+    assert resumed[marked]["headline"]["goodput"] == 12345.0  # taken as it was kept, not run again
+    for k in whole:
+        if k != marked:  # the one left ran again from the same smaller fleet's figures: the whole run's figures
+            assert _figures(resumed[k]) == _figures(whole[k]), k
+    assert json.loads(path.read_text())["results"].keys() == whole.keys()
+
+
+def test_progress_of_another_plan_is_not_resumed(tmp_path):
+    plan = _plan()
+    path = tmp_path / "progress.json"
+    path.write_text(json.dumps({"key": {"plan": asdict(replace(plan, rel_tol=0.2))}, "results": {}}))
+    with pytest.raises(SystemExit, match="plan"):
+        MatrixProgress.open(path, {"plan": asdict(plan)}, resume=True)
+    # without resume it starts afresh whatever the file holds
+    assert MatrixProgress.open(path, {"plan": asdict(plan)}, resume=False).results == {}
