@@ -37,9 +37,10 @@ about 11 min on one core (12 to 18 runs of 20 s simulated), so the forty of them
 256-instance cells about 3 h more; --leader-fleets '' leaves those out, more --processes divide the rest. What
 keeps it there: cell_jobs (brackets from the smaller fleet, weak baselines searched coarsely) and CellJob (the
 strict search started just below the headline goodput). The cost estimates predate the strict search's own runs.
-Each job's result is kept in <out>/goodput_progress.json as it finishes: a run stopped part way (the full matrix
-takes longer than one sitting) goes on with --resume where it stopped and gives what the whole run would have;
-only a run of the same options and the same code (`code_fingerprint`) resumes from it.
+Each job's result is kept in <out>/goodput_progress.json (the PD experiment's in goodput_pd_progress.json) as it
+finishes: a run stopped part way (the full matrix takes longer than one sitting) goes on with --resume where it
+stopped and gives what the whole run would have; only a run of the same options and the same code
+(`code_fingerprint`) resumes from it.
 
 Other experiments (--experiments): autoscaled: PolyServe autoscaled through conv-phase's phase change, SLO-attaining
 requests per instance-second held; speed: the time to simulate the whole conversation trace at 64 instances;
@@ -47,7 +48,7 @@ calibration: the engine against the simulator, one engine in-process and a fleet
 live router; scan: per-instance goodput of --policies (default polyserve) over --scan-fleets, in a longer window,
 each probe pooling seeds enough for as many instance-runs at every size; pd: prefill/decode disaggregation at
 --pd-fleets, each router of PD_POLICIES at its best static split of the fleet, beside co-located PolyServe and
-mixed-deadline-admission. They run on the first of --workloads.
+mixed-deadline-admission, each against the bound of its mode (a PD fleet's: `fluid_bound`'s `prefill_chunk`). They run on the first of --workloads.
 
 Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
 JSON. KV pool: what the weights leave of 90 % of 141 GB (scheduler/roofline.py). Tiers: the four default tiers
@@ -157,15 +158,17 @@ class Setup:
         end = self.window[1]
         return build_setup(self).workloads.poisson(rate, end, seed, self.workload.phase_change_at(self.window))
 
-    def bound(self, rule: GoodputRule | None = EVERY_TIER) -> FluidBound:
+    def bound(self, rule: GoodputRule | None = EVERY_TIER, disaggregated: bool = False) -> FluidBound:
         """The fluid bound of `rule` (None: every request attaining) for this setup's tier mix and lengths (a long
-        Poisson sample of them, its phase change half way through), on the fleet's expected step time."""
+        Poisson sample of them, its phase change half way through), on the fleet's expected step time; of a PD
+        fleet when `disaggregated`."""
         built = build_setup(self)
         base = SimConfig()
         sample = built.workloads.poisson(200.0, 200.0, seed=0,
                                          phase_change_at=self.workload.phase_change_at((0.0, 200.0)))
         return fluid_bound(expected_latency_model(built.model, self.error), sample, base.kv_blocks * base.block_size,
-                           base.max_num_seqs, rule)
+                           base.max_num_seqs, rule,
+                           prefill_chunk=base.max_num_batched_tokens if disaggregated else None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -475,14 +478,6 @@ class CalibrationJob:
         return out
 
 
-def _map_largest_first(pool, jobs, progress) -> list:
-    """`_map` of jobs with a fleet size, the largest fleets started first (they take longest, so the pool stays
-    busy to the end); results in job order."""
-    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
-    ran = _map(pool, [jobs[i] for i in order], progress)
-    return [ran[order.index(i)] for i in range(len(jobs))]
-
-
 def _live_latencies(w, token_times: list[list[float] | None], idx: np.ndarray) -> dict:
     """TTFT and mean TPOT (seconds) of the requests `idx` of a live run, every one of which finished."""
     from cluster.sim.calibration import live_latencies
@@ -738,10 +733,12 @@ def sweep_jobs(plan: Plan, sweep_setups: dict[str, MatrixWorkload], policies: li
             for w in sweep_setups.values() for policy in policies for load in plan.sweep_loads for seed in plan.seeds]
 
 
-def job_key(job: CellJob | SweepJob) -> str:
-    """What names a matrix job's result among those of one plan on one code (`MatrixProgress`)."""
+def job_key(job: CellJob | SweepJob | SearchJob) -> str:
+    """What names a job's result among those of one plan on one code (`JobProgress`)."""
     if isinstance(job, CellJob):
         return f"cell|{job.setup.workload.name}|{job.policy}|{job.num_instances}"
+    if isinstance(job, SearchJob):
+        return f"search|{job.setup.workload.name}|{job.policy}|{job.num_instances}|{job.prefill_instances}"
     return f"sweep|{job.setup.prediction_error}|{job.policy}|{job.num_instances}|{job.rate!r}|{job.seed}"
 
 
@@ -763,17 +760,23 @@ def code_fingerprint() -> str:
 PROJECT_PACKAGES = ("bench", "cluster", "engine", "kernels", "scheduler")
 
 
+def progress_key(opening: dict) -> dict:
+    """What a run's kept progress is valid for: the code, and the options its report opens with (`describe_setup`)."""
+    return {"code": code_fingerprint(), **opening}
+
+
 @dataclass(slots=True)
-class MatrixProgress:
-    """The matrix jobs finished so far, kept in a file after each one, so that a run stopped part way is resumed
-    where it stopped (`--resume`) and gives what the whole run would have: only a run of the same code and the same
-    plan (`key`) resumes from it, and every round is built from the same results in the same order as it would be."""
+class JobProgress:
+    """The jobs of an experiment (the matrix, PD) finished so far, kept in a file after each one, so that a run
+    stopped part way is resumed where it stopped (`--resume`) and gives what the whole run would have: only a run of
+    the same code and the same options (`key`) resumes from it, and every round is built from the same results in
+    the same order as it would be."""
     path: Path
     key: dict
     results: dict[str, dict] = field(default_factory=dict)  # by job_key
 
     @classmethod
-    def open(cls, path: Path, key: dict, resume: bool) -> "MatrixProgress":
+    def open(cls, path: Path, key: dict, resume: bool) -> "JobProgress":
         """The progress kept at `path` by a run of `key` (`resume`, when there is one), or none (a fresh start)."""
         key = json.loads(json.dumps(key, default=_json_default))  # as the file holds it
         if not resume or not path.exists():
@@ -792,9 +795,12 @@ class MatrixProgress:
         scratch.write_text(json.dumps({"key": self.key, "results": self.results}, default=_json_default))
         scratch.replace(self.path)
 
-    def run(self, pool, jobs: list, progress) -> list[dict]:
-        """Every job's result in job order, those not finished before run now."""
+    def run(self, pool, jobs: list, progress, largest_first: bool = False) -> list[dict]:
+        """Every job's result in job order, those not finished before run now (`largest_first`: those of the
+        largest fleets started first, as they take longest, so that the pool stays busy to the end)."""
         todo = [job for job in jobs if job_key(job) not in self.results]
+        if largest_first:
+            todo.sort(key=lambda job: -job.num_instances)
         progress.update(len(jobs) - len(todo))
         _map(pool, todo, progress, self.add)
         return [self.results[job_key(job)] for job in jobs]
@@ -802,7 +808,7 @@ class MatrixProgress:
 
 def run_matrix(pool, plan: Plan, workloads: list[MatrixWorkload], sweep_setups: dict[str, MatrixWorkload] | None,
                checkpoint: Callable[[list[dict], list[dict]], None],
-               progress_file: MatrixProgress) -> tuple[list[dict], list[dict]]:
+               progress_file: JobProgress) -> tuple[list[dict], list[dict]]:
     """Every cell, a round per fleet size from the smallest (each starts its searches from the smaller fleets'
     results), the leader fleets last; the error sweep (with `sweep_setups`) in the round after its fleet's, to keep
     the pool busy. `checkpoint(cells, sweep runs)` after every round; `progress_file` keeps each job's result as
@@ -957,6 +963,7 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple
     """Goodput per instance of each policy at each of the scan's fleet sizes, searched from `bracket` (per-instance
     rates), printed as a table."""
     bound = setup.bound()
+    pd_bound = setup.bound(disaggregated=True)
     built = build_setup(setup)
     co_budget = co_chunk_budget(built.model, built.tiers, bound)
     jobs = [SearchJob(setup, p, n, co_budget, scan_seeds(plan, n), bracket[0] * n, bracket[1] * n, plan.scan_rel_tol)
@@ -967,7 +974,7 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple
             searches = [job.run(pool.map, max(1, processes // len(job.seeds)))]
             progress.update()
         else:
-            searches = _map_largest_first(pool, jobs, progress)
+            searches = progress_file.run(pool, jobs, progress, largest_first=True)
     print(f"\nGoodput per instance by fleet size, {setup.workload.name} (req/s per instance; window "
           f"{setup.window_s:.0f} s after {setup.warmup_s:.0f} s; seeds per probe: {plan.scan_instance_runs} "
           f"instance-runs / instances; searched to {plan.scan_rel_tol:.0%}):")
@@ -984,11 +991,12 @@ def pd_splits(num_instances: int) -> list[int]:
     return sorted({min(num_instances - 1, max(1, round(share * num_instances))) for share in PD_PREFILL_SHARES})
 
 
-def run_pd(pool, plan: Plan, setup: Setup) -> dict:
+def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
     """Goodput (headline rule) in PD mode of each of PD_POLICIES at its best split of PD_PREFILL_SHARES, beside
     co-located PolyServe and mixed-deadline-admission on as many instances, at each of `plan.pd_fleets` (each in
     the matrix's window for its size), printed."""
     bound = setup.bound()
+    pd_bound = setup.bound(disaggregated=True)
     built = build_setup(setup)
     co_budget = co_chunk_budget(built.model, built.tiers, bound)
     jobs = [SearchJob(replace(setup, window_s=plan.cell_window_s(n)), policy, n, co_budget, plan.seeds,
@@ -998,7 +1006,7 @@ def run_pd(pool, plan: Plan, setup: Setup) -> dict:
                                    ("polyserve", [0]), ("mixed-deadline-admission", [0])]
             for prefill in splits]
     with _progress(len(jobs), "PD goodput") as progress:
-        searches = _map_largest_first(pool, jobs, progress)
+        searches = progress_file.run(pool, jobs, progress, largest_first=True)
     print(f"\nPD disaggregation, {setup.workload.name}, KV over {PD_LINK} (headline goodput, req/s: every tier >= 90 % "
           f"attaining; window {', '.join(f'{plan.cell_window_s(n):g} s at {n}' for n in plan.pd_fleets)} after "
           f"{setup.warmup_s:.0f} s; the best static split of "
@@ -1016,11 +1024,15 @@ def run_pd(pool, plan: Plan, setup: Setup) -> dict:
         ours = best[("polyserve", "PD")]
         for (policy, mode), s in sorted(best.items(), key=lambda kv: -kv[1]["goodput"]):
             split = f"{s['prefill_instances']}p+{n - s['prefill_instances']}d" if s["prefill_instances"] else f"{n}"
-            print(f"  {n:>4} instances  {mode:10} {policy:26} {split:>9} {_goodput(s):>10}")
+            of = (pd_bound if mode == "PD" else bound).rate(n)
+            print(f"  {n:>4} instances  {mode:10} {policy:26} {split:>9} {_goodput(s):>10} {s['goodput'] / of:7.1%} "
+                  f"of its mode's bound")
         ratio = ours["goodput"] / strongest["goodput"] if strongest["goodput"] else math.inf
         print(f"  {n:>4} instances: PolyServe-PD / best PD baseline ({strongest['policy']}) {_ratio(ratio)}; "
-              f"PolyServe-PD / co-located PolyServe {_ratio(ours['goodput'] / best[('polyserve', 'co-located')]['goodput'])}")
-        rows.append({"num_instances": n, "ratio_to_best_pd_baseline": ratio, "best_pd_baseline": strongest["policy"]})
+              f"PolyServe-PD / co-located PolyServe {_ratio(ours['goodput'] / best[('polyserve', 'co-located')]['goodput'])}"
+              f"; bounds {pd_bound.rate(n):.1f} PD, {bound.rate(n):.1f} co-located")
+        rows.append({"num_instances": n, "ratio_to_best_pd_baseline": ratio, "best_pd_baseline": strongest["policy"],
+                     "pd_bound": pd_bound.rate(n), "co_located_bound": bound.rate(n)})
     return {"workload": setup.workload.name, "link": PD_LINK, "shares": list(PD_PREFILL_SHARES), "searches": searches,
             "summary": rows}
 
@@ -1037,8 +1049,10 @@ def autoscale_job(plan: Plan, latency_profile: str | None, error: str) -> Autosc
     return AutoscaleJob(setup, start_fleet, rate, limits)
 
 
-def run_experiments(pool, plan: Plan, args, names: list[str], workload: WorkloadSpec, report: dict) -> None:
-    """The experiments besides the matrix that `names` holds, each printed and added to `report`."""
+def run_experiments(pool, plan: Plan, args, names: list[str], workload: WorkloadSpec, report: dict,
+                    key: dict) -> None:
+    """The experiments besides the matrix that `names` holds, each printed and added to `report`; `key`: what the
+    progress kept for a resumed one must have been made by (`progress_key`)."""
     setup = Setup(workload, args.latency_profile, plan.warmup_s, plan.window_s, args.prediction_error)
     jobs = {}
     if "autoscaled" in names:
@@ -1077,7 +1091,8 @@ def run_experiments(pool, plan: Plan, args, names: list[str], workload: Workload
         policies = list(plan.policies) if args.policies else ["polyserve"]
         report["scan"] = run_scan(pool, plan, scan_setup, policies, bracket, args.processes)
     if "pd" in names:
-        report["pd"] = run_pd(pool, plan, setup)
+        report["pd"] = run_pd(pool, plan, setup, JobProgress.open(
+            Path(args.out) / "goodput_pd_progress.json", {**key, "workload": workload.name}, args.resume))
 
 
 def _bracket_arg(text: str) -> tuple[float, float]:
@@ -1157,8 +1172,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pd-fleets", default=None, help="comma-separated fleet sizes of the PD experiment "
                                                       "(full: 8,16,64)")
     ap.add_argument("--resume", action="store_true",
-                    help="matrix: go on from the jobs <out>/goodput_progress.json holds (a run of the same code "
-                         "and options stopped part way)")
+                    help="matrix and pd: go on from the jobs <out>/goodput_progress.json (goodput_pd_progress.json) "
+                         "holds, of a run of the same code and options stopped part way")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the plots of a saved report")
     return ap.parse_args(argv)
@@ -1180,6 +1195,7 @@ def main(argv=None) -> None:
     path = out_dir / ("goodput.json" if "matrix" in names else f"goodput_{'_'.join(names)}.json")
     t_start = time.perf_counter()
     report = describe_setup(args, plan, specs[0])
+    key = progress_key(report)
     # setups built before the workers fork, so that they inherit them
     workloads = matrix_workloads(specs, plan, args.latency_profile, args.prediction_error) \
         if "matrix" in names else []
@@ -1192,14 +1208,13 @@ def main(argv=None) -> None:
                 report["matrix"] = matrix_report(workloads, cells, sweep, plan, args.prediction_error, sweep_setups)
                 _write_report(report, path, t_start)
 
-            key = {"code": code_fingerprint(), **{k: v for k, v in report.items() if k != "wall_s"},
-                   "workloads": [s.name for s in specs], "sweep": bool(sweep_setups)}
-            progress_file = MatrixProgress.open(out_dir / "goodput_progress.json", key, args.resume)
+            progress_file = JobProgress.open(out_dir / "goodput_progress.json", {
+                **key, "workloads": [s.name for s in specs], "sweep": bool(sweep_setups)}, args.resume)
             run_matrix(pool, plan, workloads, sweep_setups, checkpoint, progress_file)
             print_matrix(report["matrix"])
             if "sweep" in report["matrix"]:
                 print_sweep(report["matrix"]["sweep"])
-        run_experiments(pool, plan, args, names, specs[0], report)
+        run_experiments(pool, plan, args, names, specs[0], report, key)
     _write_report(report, path, t_start)
     write_plots(report, out_dir)
     print(f"\nwrote {path} and plots; total wall time {report['wall_s']:.0f} s")

@@ -47,3 +47,15 @@ def test_the_strongest_baselines_fail_at_the_headline_bound(policy):
     setup = Setup(workload_spec("conv-4tier"), None, WARMUP_S, WINDOW_S, "gpu-typical")
     rate, score = _score_at(setup, policy, EVERY_TIER, 1.0)
     assert not EVERY_TIER.passes(score), f"{policy} scores {score:.3f} under every-tier at its bound {rate:.1f}"
+
+
+@pytest.mark.parametrize("prefill_instances", [1, 2])
+def test_polyserve_pd_fails_at_the_disaggregated_bound(prefill_instances):
+    """The PD bound (the best split, fluidly) is above what any one split of the fleet serves: PolyServe in PD mode
+    fails the headline rule at it, and passes at a fraction of it (a run that works)."""
+    setup = Setup(workload_spec("conv-4tier"), None, WARMUP_S, WINDOW_S, "gpu-typical")
+    bound = setup.bound(EVERY_TIER, disaggregated=True).rate(INSTANCES)
+    for share in (1.0, PASSING_SHARE):
+        score = _score(setup, "polyserve", INSTANCES, 0, EVERY_TIER.name, share * bound, seed=1,
+                       prefill_instances=prefill_instances)
+        assert EVERY_TIER.passes(score) == (share < 1.0), f"{prefill_instances}p: {score:.3f} at {share * bound:.1f}"

@@ -6,7 +6,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from bench.goodput import MatrixProgress, make_plan, matrix_workloads, parse_args, run_matrix
+from bench.goodput import JobProgress, make_plan, matrix_workloads, parse_args, run_matrix
 from cluster.sim.workload import workload_spec
 
 WORKLOAD = "conv-2tier"
@@ -19,7 +19,7 @@ def _plan():
     return replace(make_plan(args), warmup_s=2.0, window_s=2.0, window_instance_s=0.0)
 
 
-def _run(plan, progress: MatrixProgress) -> list[dict]:
+def _run(plan, progress: JobProgress) -> list[dict]:
     workloads = matrix_workloads([workload_spec(WORKLOAD)], plan, None, "exact")
     cells, sweep = run_matrix(None, plan, workloads, None, lambda cells, sweep: None, progress)
     assert sweep == []
@@ -39,7 +39,7 @@ def test_a_resumed_matrix_runs_only_what_was_left_and_gives_the_whole_runs_figur
     plan = _plan()
     key = {"plan": asdict(plan)}
     path = tmp_path / "progress.json"
-    whole = _by_key(_run(plan, MatrixProgress.open(path, key, resume=False)))
+    whole = _by_key(_run(plan, JobProgress.open(path, key, resume=False)))
     assert len(whole) == 4  # two policies at two fleet sizes
     saved = json.loads(path.read_text())["results"]
     assert saved.keys() == whole.keys()
@@ -50,7 +50,7 @@ def test_a_resumed_matrix_runs_only_what_was_left_and_gives_the_whole_runs_figur
     kept = {k: v for k, v in saved.items() if k != left}
     kept[marked]["headline"]["goodput"] = 12345.0
     path.write_text(json.dumps({"key": json.loads(path.read_text())["key"], "results": kept}))
-    resumed = _by_key(_run(plan, MatrixProgress.open(path, key, resume=True)))
+    resumed = _by_key(_run(plan, JobProgress.open(path, key, resume=True)))
 
     assert resumed[marked]["headline"]["goodput"] == 12345.0  # taken as it was kept, not run again
     for k in whole:
@@ -64,6 +64,6 @@ def test_progress_of_another_plan_is_not_resumed(tmp_path):
     path = tmp_path / "progress.json"
     path.write_text(json.dumps({"key": {"plan": asdict(replace(plan, rel_tol=0.2))}, "results": {}}))
     with pytest.raises(SystemExit, match="plan"):
-        MatrixProgress.open(path, {"plan": asdict(plan)}, resume=True)
+        JobProgress.open(path, {"plan": asdict(plan)}, resume=True)
     # without resume it starts afresh whatever the file holds
-    assert MatrixProgress.open(path, {"plan": asdict(plan)}, resume=False).results == {}
+    assert JobProgress.open(path, {"plan": asdict(plan)}, resume=False).results == {}

@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from cluster.sim.goodput import EVERY_TIER, STRICT, fluid_bound, search_goodput, tier_capacity
+from cluster.sim.goodput import (EVERY_TIER, STRICT, fluid_bound, prefill_seconds_per_token, search_goodput,
+                                 tier_capacity)
 from cluster.sim.workload import (REFUSED, TierMix, Workload, WorkloadFactory, assign_tiers, default_tiers,
                                   load_trace, max_idle_prompts)
 from scheduler.attainability import AttainabilityChecker
@@ -129,6 +130,32 @@ def test_tier_capacity_by_hand():
     kv_bound = tier_capacity(m, "t", tpot, tpot, p, d, kv_capacity_tokens=50 * 1100, max_batch=10_000)
     assert kv_bound.batch == 50  # 50 * (1000 + 100) tokens fill the pool
     assert tier_capacity(m, "t", 3.0, 3.0, p, d, 10**9, 10_000).requests_per_s == 0.0  # below the fixed cost
+
+
+def test_decode_stage_capacity_by_hand():
+    """On a PD decode instance T(B) = a + c * B (no prefill folded in), over D - 1 iterations a request, each within
+    (ttft + (D - 1) * tpot) / (D - 1); a one-token output decodes nothing; a prompt-only step's best cost per token
+    is its largest chunk's on a model linear in the chunk."""
+    m = LinearModel(a=0.004, b=2e-5, c=5e-5)
+    p, d, tpot = 1000.0, 201.0, 20.0
+    cap = tier_capacity(m, "t", tpot, 0.0, p, d, kv_capacity_tokens=10**9, max_batch=10_000, decode_only=True)
+    assert cap.batch == math.floor((0.020 - 0.004) / 5e-5)  # 320
+    assert cap.requests_per_s == pytest.approx(cap.batch / ((d - 1) * (0.004 + 5e-5 * cap.batch)))
+    one_token = tier_capacity(m, "t", tpot, tpot, p, 1.0, 10**9, 10_000, decode_only=True)
+    assert one_token.requests_per_s == math.inf
+    assert prefill_seconds_per_token(m, 512) == pytest.approx(0.004 / 512 + 2e-5)
+
+
+def test_disaggregated_bound_adds_the_prompts_prefill_time():
+    """A PD fleet's request costs its prompt's prefill at the best per-token cost plus its decode stage."""
+    m = LinearModel(a=0.004, b=2e-5, c=5e-5)
+    tiers = TierSet([Tier("a", 20.0, 20.0)])
+    n = 400
+    w = Workload(np.zeros(n), np.full(n, 1000, np.int64), np.full(n, 201, np.int64), np.zeros(n, np.int8), tiers)
+    bound = fluid_bound(m, w, 10**9, 10_000, prefill_chunk=512)
+    decode = tier_capacity(m, "a", 20.0, 20.0, 1000.0, 201.0, 10**9, 10_000, decode_only=True)
+    per_request_s = 1000 * prefill_seconds_per_token(m, 512) + 1.0 / decode.requests_per_s
+    assert bound.rate(8) == pytest.approx(8 / per_request_s)
 
 
 class SlowPastFifty(LinearModel):

@@ -19,6 +19,13 @@ is not a bound: a fleet serves short outputs at the large batches their longer a
 a share of requests miss is bounded by the same computation on the requests it must serve: those left after dropping
 the costliest share (instance time of each request at its tier's batch: its decode iterations' share plus its
 prompt's prefill time), per tier for every-tier, from all tiers together for strict.
+
+Disaggregated (PD) fleets are bounded the same way with the two stages apart (`fluid_bound`'s `prefill_chunk`): a
+request's prompt takes prefill instance time at the best per-token cost of a prompt-only step (a chunk of at most
+`prefill_chunk` tokens), its other D - 1 tokens decode iterations of T(B) on a decode instance, B decodes and no
+prefill, each within the allowance of those tokens, (ttft_k + (D - 1) * tpot_k) / (D - 1) (the first token's time
+not charged: an upper bound); the fleet split between the stages as it serves most (fluidly), so a request costs the
+sum of its two stages' instance time.
 """
 from __future__ import annotations
 
@@ -68,17 +75,26 @@ class TierCapacity:
 
 def tier_capacity(model: LatencyModel, tier: str, tpot_ms: float, ttft_ms: float, mean_prompt: float,
                   mean_output: float, kv_capacity_tokens: int, max_batch: int,
-                  allowance_output: float | None = None) -> TierCapacity:
+                  allowance_output: float | None = None, decode_only: bool = False) -> TierCapacity:
     """B, T(B) and the per-instance rate of requests of these mean lengths (module docstring), their allowance that
-    of an output of `allowance_output` tokens (None: the mean)."""
+    of an output of `allowance_output` tokens (None: the mean); `decode_only`: a PD decode instance's (no prefill in
+    its iterations, one fewer of them, each with that output's allowance per decoded token)."""
     if not (mean_prompt > 0 and mean_output >= 1):
         raise ValueError(f"tier {tier}: mean prompt and output must be positive, got {mean_prompt}, {mean_output}")
     d = mean_output if allowance_output is None else allowance_output
-    allowance_s = (ttft_ms + (d - 1) * tpot_ms) / d / 1000.0
+    iterations = mean_output - 1 if decode_only else mean_output
+    if iterations <= 0:  # its one token comes with its prompt: nothing to decode
+        return TierCapacity(tier, mean_prompt, mean_output, 0, 0.0, math.inf)
+    if decode_only:  # the most a decoded token may take: that of the shortest output that decodes at all
+        d = max(d, 2.0)
+        allowance_s = (ttft_ms + (d - 1) * tpot_ms) / (d - 1) / 1000.0
+    else:
+        allowance_s = (ttft_ms + (d - 1) * tpot_ms) / d / 1000.0
     kv_per_request = mean_prompt + mean_output / 2
 
     def iteration(b: int) -> float:
-        return model.predict(round(b * mean_prompt / mean_output), b, round(b * kv_per_request))
+        prefill = 0 if decode_only else round(b * mean_prompt / mean_output)
+        return model.predict(prefill, b, round(b * kv_per_request))
 
     def fits(b: int) -> bool:
         return iteration(b) <= allowance_s and b * kv_per_request <= kv_capacity_tokens
@@ -93,7 +109,7 @@ def tier_capacity(model: LatencyModel, tier: str, tpot_ms: float, ttft_ms: float
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     best = max(range(1, lo + 1), key=lambda b: b / iteration(b))  # not always the largest: the best
     t = iteration(best)
-    return TierCapacity(tier, mean_prompt, mean_output, best, t, best / (mean_output * t))
+    return TierCapacity(tier, mean_prompt, mean_output, best, t, best / (iterations * t))
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,20 +124,23 @@ class FluidBound:
 
 
 def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int, max_batch: int,
-                rule: GoodputRule | None = None) -> FluidBound:
+                rule: GoodputRule | None = None, prefill_chunk: int | None = None) -> FluidBound:
     """The bound of `rule` (None: every request attaining) for the tier mix and per-tier lengths of `workload`
-    (requests refused at admission left out), `model` giving the step time the fleet really has."""
+    (requests refused at admission left out), `model` giving the step time the fleet really has; with
+    `prefill_chunk`, that of a PD fleet whose prefill instances run chunks of at most that many tokens."""
     served = workload.tier_index >= 0
     total = int(served.sum())
     if total == 0:
         raise ValueError("the workload has no admissible request")
     tiers = workload.tiers
+    prefill_s = None if prefill_chunk is None else prefill_seconds_per_token(model, prefill_chunk)
     masks = [workload.tier_index == k for k in range(len(tiers))]
-    full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch) for tier, mask in zip(tiers, masks)]
+    full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s)
+            for tier, mask in zip(tiers, masks)]
     if rule is not None and rule.target < 1.0:
-        keep = _costliest_dropped(model, workload, masks, full, 1.0 - rule.target, rule.per_tier)
+        keep = _costliest_dropped(model, workload, masks, full, 1.0 - rule.target, rule.per_tier, prefill_s)
         masks = [m & keep for m in masks]
-        full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch)
+        full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s)
                 for tier, mask in zip(tiers, masks)]
     shares = tuple(int(m.sum()) / total for m in masks)
     for p, c in zip(shares, full):
@@ -130,20 +149,28 @@ def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int
     return FluidBound(tuple(full), shares)
 
 
+def prefill_seconds_per_token(model: LatencyModel, max_chunk: int) -> float:
+    """The least instance time per prompt token of a prompt-only step: the best chunk of at most `max_chunk`
+    tokens with no cached prefix (a longer context only costs more)."""
+    return min(model.predict(c, 0, c) / c for c in range(1, max_chunk + 1))
+
+
 def _capacity(model: LatencyModel, tier, workload: Workload, mask: np.ndarray, kv_capacity_tokens: int,
-              max_batch: int) -> TierCapacity:
-    """The tier's figures at its mean lengths, its rate over its output-length classes."""
+              max_batch: int, prefill_s: float | None = None) -> TierCapacity:
+    """The tier's figures at its mean lengths, its rate over its output-length classes; with `prefill_s` (seconds
+    per prompt token on a prefill instance), a PD fleet's: the decode stage's, plus each prompt's prefill time."""
     if not mask.any():
         return TierCapacity(tier.name, 1.0, 1.0, 0, 0.0, 0.0)
+    decode_only = prefill_s is not None
     prompts, outputs = workload.prompt_lens[mask], workload.output_lens[mask]
     at_means = tier_capacity(model, tier.name, tier.tpot_ms, tier.ttft_ms, float(prompts.mean()),
-                             float(outputs.mean()), kv_capacity_tokens, max_batch)
+                             float(outputs.mean()), kv_capacity_tokens, max_batch, decode_only=decode_only)
     order = np.argsort(outputs, kind="stable")
-    seconds_per_request = 0.0  # of one instance, over the classes
+    seconds_per_request = float(prompts.mean()) * prefill_s if decode_only else 0.0  # of one instance
     for members in np.array_split(order, min(LENGTH_CLASSES, len(order))):
         c = tier_capacity(model, tier.name, tier.tpot_ms, tier.ttft_ms, float(prompts[members].mean()),
                           float(outputs[members].mean()), kv_capacity_tokens, max_batch,
-                          allowance_output=float(outputs[members].min()))
+                          allowance_output=float(outputs[members].min()), decode_only=decode_only)
         if c.requests_per_s == 0:
             return replace(at_means, requests_per_s=0.0)
         seconds_per_request += len(members) / len(order) / c.requests_per_s
@@ -151,12 +178,18 @@ def _capacity(model: LatencyModel, tier, workload: Workload, mask: np.ndarray, k
 
 
 def _costliest_dropped(model: LatencyModel, workload: Workload, masks: list[np.ndarray],
-                       capacities: list[TierCapacity], share: float, per_tier: bool) -> np.ndarray:
+                       capacities: list[TierCapacity], share: float, per_tier: bool,
+                       prefill_s: float | None = None) -> np.ndarray:
     """The requests left once the costliest `share` are dropped, of each tier or of all together. A request's cost
     is the instance time it takes at its tier's batch: D * T(B) / B for its decode iterations, plus its prompt's
-    prefill at the marginal prefill time per token beside that batch."""
+    prefill at the marginal prefill time per token beside that batch; with `prefill_s`, a PD fleet's: D - 1
+    iterations, and the prompt at `prefill_s` per token on a prefill instance."""
     cost = np.full(len(workload), -np.inf)
     for mask, c in zip(masks, capacities):
+        if prefill_s is not None:
+            per_iteration = c.iteration_s / c.batch if c.batch else 0.0
+            cost[mask] = (workload.output_lens[mask] - 1) * per_iteration + workload.prompt_lens[mask] * prefill_s
+            continue
         if c.batch == 0:
             continue
         kv = round(c.batch * (c.mean_prompt + c.mean_output / 2))
