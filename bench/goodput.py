@@ -795,12 +795,9 @@ class JobProgress:
         scratch.write_text(json.dumps({"key": self.key, "results": self.results}, default=_json_default))
         scratch.replace(self.path)
 
-    def run(self, pool, jobs: list, progress, largest_first: bool = False) -> list[dict]:
-        """Every job's result in job order, those not finished before run now (`largest_first`: those of the
-        largest fleets started first, as they take longest, so that the pool stays busy to the end)."""
+    def run(self, pool, jobs: list, progress) -> list[dict]:
+        """Every job's result in job order, those not finished before run now."""
         todo = [job for job in jobs if job_key(job) not in self.results]
-        if largest_first:
-            todo.sort(key=lambda job: -job.num_instances)
         progress.update(len(jobs) - len(todo))
         _map(pool, todo, progress, self.add)
         return [self.results[job_key(job)] for job in jobs]
@@ -974,7 +971,7 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple
             searches = [job.run(pool.map, max(1, processes // len(job.seeds)))]
             progress.update()
         else:
-            searches = progress_file.run(pool, jobs, progress, largest_first=True)
+            searches = progress_file.run(pool, jobs, progress)  # the smaller fleets first: done first if stopped
     print(f"\nGoodput per instance by fleet size, {setup.workload.name} (req/s per instance; window "
           f"{setup.window_s:.0f} s after {setup.warmup_s:.0f} s; seeds per probe: {plan.scan_instance_runs} "
           f"instance-runs / instances; searched to {plan.scan_rel_tol:.0%}):")
@@ -1006,7 +1003,7 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
                                    ("polyserve", [0]), ("mixed-deadline-admission", [0])]
             for prefill in splits]
     with _progress(len(jobs), "PD goodput") as progress:
-        searches = progress_file.run(pool, jobs, progress, largest_first=True)
+        searches = progress_file.run(pool, jobs, progress)  # the smaller fleets first: done first if stopped
     print(f"\nPD disaggregation, {setup.workload.name}, KV over {PD_LINK} (headline goodput, req/s: every tier >= 90 % "
           f"attaining; window {', '.join(f'{plan.cell_window_s(n):g} s at {n}' for n in plan.pd_fleets)} after "
           f"{setup.warmup_s:.0f} s; the best static split of "
