@@ -68,6 +68,7 @@ class InstanceView:
     output_lengths: InitVar[OutputLengthTracker]  # the router's: whose means `summary` charges the residents
     tier: int | None = None  # None: in the idle pool
     kv_capacity_tokens: int = 0
+    block_size: int = 1  # tokens per KV block of its engine
     residents: dict[str, RoutedRequest] = field(default_factory=dict)
     # residents by tier index, tiers with none left out: the tightest tier among them is the least key
     residents_per_tier: Counter[int] = field(default_factory=Counter)

@@ -197,14 +197,17 @@ class Router:
             self._unlabel(view)
             self._pool(view, now=view.since)
 
-    def on_ready(self, instance_id: str, kv_capacity_tokens: int, now: float) -> list[Placement]:
+    def on_ready(self, instance_id: str, kv_capacity_tokens: int, now: float, block_size: int = 1) -> list[Placement]:
+        """`instance_id` serves, with KV for `kv_capacity_tokens` tokens in blocks of `block_size`."""
         view = self.fleet[instance_id]
         if view.status is not InstanceStatus.STARTING:
             raise ValueError(f"instance {instance_id!r} is {view.status.value}, not starting")
         if kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be positive, got {kv_capacity_tokens}")
-        view.status, view.since, view.kv_capacity_tokens, view.iteration_end = \
-            InstanceStatus.READY, now, kv_capacity_tokens, now
+        if not 1 <= block_size <= kv_capacity_tokens:
+            raise ValueError(f"block_size must lie in [1, kv_capacity_tokens], got {block_size}")
+        view.status, view.since, view.kv_capacity_tokens, view.block_size, view.iteration_end = \
+            InstanceStatus.READY, now, kv_capacity_tokens, block_size, now
         self._pool(view, now)
         return self.retry_queued(now)
 
@@ -557,7 +560,10 @@ class Router:
         """The attainability test of `req` (as `snap`) on `view` held to `budget_ms`; its companions, if any,
         counted in as residents (seated for the test, then taken out again), each one more sequence in the batch
         and its own KV. An instance whose role does not take the request's stage fits it not; a prefill instance
-        is tested by its own rule, whatever the budget."""
+        is tested by its own rule, whatever the budget. First of all its KV must have room for the prompt now
+        (`_has_room`)."""
+        if not self._has_room(view, req):
+            return False
         if self.roles:
             if not self._serves(view, req):
                 return False
@@ -573,6 +579,20 @@ class Router:
             for sample in req.companions:
                 del view.residents[sample.request_id]
                 view.summary.remove(sample)
+
+    @staticmethod
+    def _has_room(view: InstanceView, req: RoutedRequest) -> bool:
+        """The blocks of `req`'s prompt free on `view` now, beside a block of growth for each resident (what an
+        engine keeps free before it takes a prompt: scheduler/polyserve.py): the attainability test counts KV in
+        tokens and at its steady state, so on an instance of many residents it misses their blocks' last partial
+        block (up to one each) and the long outputs past their tier's mean that fill the pool now. The blocks held
+        are the larger of the instance's last report (it counts what the router does not see: a handed-off
+        prompt's KV held until pulled) and the router's own count of its residents (each one's context, plus a
+        partial block)."""
+        size = view.block_size
+        residents = len(view.residents)
+        held = max(view.num_blocks_used, -(-view.kv_tokens // size) + residents)
+        return held + residents + -(-req.num_prompt_tokens // size) <= view.kv_capacity_tokens // size
 
     def _baseline_choice(self, req: RoutedRequest) -> InstanceView | None:
         """The instance a baseline that places at once picks (None while none serves).

@@ -238,7 +238,7 @@ class RouterService:
         self._link_tasks[link.instance_id] = self._spawn(self._run_link(link))
         h = link.hello
         self.router.set_role(link.instance_id, h.role)
-        self._dispatch(self.router.on_ready(link.instance_id, h.num_kv_blocks * h.block_size, now), now)
+        self._dispatch(self.router.on_ready(link.instance_id, h.num_kv_blocks * h.block_size, now, h.block_size), now)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

@@ -329,6 +329,38 @@ def test_lost_instance_hands_back_its_residents_for_placement_elsewhere():
     assert "a" not in router.fleet.instances
 
 
+def test_an_instance_whose_kv_blocks_are_full_now_takes_no_prompt_though_its_steady_state_fits():
+    """The steady-state test counts KV in tokens at the residents' expected lengths; what an instance holds now, in
+    whole blocks, can be more (outputs past their mean, each resident's partial last block, a handed-off prompt's KV
+    held until pulled): a prompt that does not find its blocks free now beside a block of growth per resident goes
+    to an instance where it does."""
+    router = make_router()
+    for iid in ("busy", "light"):
+        router.add_instance(iid, 0.0)
+        router.on_ready(iid, CAPACITY, 0.0, block_size=16)  # 250 blocks
+    busy, light = fill(router, "busy", STD, 3), fill(router, "light", STD, 3)
+    for r in busy[2:] + light[1:]:  # aborted: the tier's output-length mean stays put
+        router.on_finished(r.request_id, 0, 0.0, completed=False)
+    busy = busy[:2]
+    router.on_report("busy", InstanceReport(0.1, 0, [Resident(r.request_id, 1000, 1000, 0) for r in busy]), 0.1)
+    assert router.submit(request("fits", STD), 0.1).instance_id == "busy"  # the busiest that attains: packing
+    router.on_finished("fits", 0, 0.1, completed=False)
+    # the same residents, but the engine says 189 blocks are taken: 189 + 2 growth + 63 for the prompt > 250
+    router.on_report("busy", InstanceReport(0.2, 189, [Resident(r.request_id, 1000, 1000, 0) for r in busy]), 0.2)
+    assert router.checker.check(state(router, "busy", 50), request("x", STD).snapshot(0.2), 0.2).ok
+    d = router.submit(request("moves", STD), 0.2)
+    assert (d.outcome, d.instance_id) == (Outcome.PLACED, "light")
+    # 186 leave just the room: 186 + 2 + 63 = 251 is one over, 185 fits
+    for used, where in ((186, "light"), (185, "busy")):
+        router.on_finished("moves", 0, 0.3, completed=False)
+        router.on_report("busy", InstanceReport(0.3, used, [Resident(r.request_id, 1000, 1000, 0) for r in busy]), 0.3)
+        d = router.submit(request("moves", STD), 0.3)
+        assert d.instance_id == where, used
+    with pytest.raises(ValueError, match="block_size"):
+        router.add_instance("bad", 0.4)
+        router.on_ready("bad", CAPACITY, 0.4, block_size=0)
+
+
 def test_reports_update_progress_load_and_iteration_end():
     router = make_router()
     ready(router, "a")

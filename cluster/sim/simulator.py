@@ -282,7 +282,7 @@ class Simulator:
         capacity = cfg.kv_blocks * cfg.block_size
         for k in range(cfg.num_instances):
             instance_id = self._new_instance(0.0, prefill=k < cfg.prefill_instances)
-            self._dispatch(router.on_ready(instance_id, capacity, 0.0))
+            self._dispatch(router.on_ready(instance_id, capacity, 0.0, cfg.block_size))
         if cfg.autoscale is not None:
             self._autoscale(0.0)
         self._push(0.0, TICK, None)
@@ -348,7 +348,7 @@ class Simulator:
                 self._pending_ready -= 1
                 if payload in self.instances:
                     self._sync_reports(t)
-                    self._dispatch(self.router.on_ready(payload, capacity, t))
+                    self._dispatch(self.router.on_ready(payload, capacity, t, cfg.block_size))
         return self._result(workload, requests, samples, time.perf_counter() - wall0, aborted)
 
     def _stalled(self) -> bool:
