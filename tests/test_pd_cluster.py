@@ -269,8 +269,10 @@ def test_a_prefill_worker_lost_after_the_first_token_means_prefilled_again_elsew
 
 
 def test_a_full_decode_worker_refuses_and_the_request_waits(llama_tiny):
-    """The decode engine's blocks are taken by a reservation the router does not know of: it refuses the Import
-    before any transfer, the router places it again each tick, and once the blocks are free it goes through."""
+    """The decode engine's blocks are taken by a reservation the router placed none of: until a report tells the
+    router they are taken, it places the hand-off there and the engine refuses the Import before any transfer, the
+    router placing it again each tick; once told, the router holds it in its queue (no room now). Either way the
+    request waits, and once the blocks are free it goes through."""
     want = LLM(llama_tiny[0], **TINY).generate([PROMPT], GREEDY)[0].token_ids
     small = {**TINY, "num_kv_blocks": 12}
     other = LLM(llama_tiny[0], role="prefill", **small).engine
@@ -284,10 +286,18 @@ def test_a_full_decode_worker_refuses_and_the_request_waits(llama_tiny):
             decode = fleet.workers["decode-0"].async_engine
             reservation = await decode.call(Engine.reserve_import, blocker)
             request = asyncio.create_task(fleet.generate("r", PROMPT, GREEDY))
+            router = fleet.service.router
+
+            def waiting() -> bool:
+                queued = any(r.request_id == "r" for queue in router.queues for r in queue)
+                return fleet.service.counts["import_refused"] >= 2 or (queued and "r" in router.handoffs)
+
             deadline = time.monotonic() + WAIT_S
-            while fleet.service.counts["import_refused"] < 2:
+            while not waiting():
                 assert time.monotonic() < deadline and not request.done()
                 await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            assert not request.done()  # nowhere to go while the blocks are taken
             await decode.call(Engine.cancel_import, reservation)
             outs = await request
             await fleet.settled("prefill-0", "decode-0")
