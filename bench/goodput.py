@@ -481,6 +481,14 @@ class CalibrationJob:
         return out
 
 
+def _map_largest_first(pool, jobs, progress) -> list:
+    """`_map` of jobs with a fleet size, the largest fleets started first (they take longest, so the pool stays
+    busy to the end); results in job order."""
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].num_instances)
+    ran = _map(pool, [jobs[i] for i in order], progress)
+    return [ran[order.index(i)] for i in range(len(jobs))]
+
+
 def _live_latencies(w, token_times: list[list[float] | None], idx: np.ndarray) -> dict:
     """TTFT and mean TPOT (seconds) of the requests `idx` of a live run, every one of which finished."""
     from cluster.sim.calibration import live_latencies
@@ -963,7 +971,6 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple
     """Goodput per instance of each policy at each of the scan's fleet sizes, searched from `bracket` (per-instance
     rates), printed as a table."""
     bound = setup.bound()
-    pd_bound = setup.bound(disaggregated=True)
     built = build_setup(setup)
     co_budget = co_chunk_budget(built.model, built.tiers, bound)
     jobs = [SearchJob(setup, p, n, co_budget, scan_seeds(plan, n), bracket[0] * n, bracket[1] * n, plan.scan_rel_tol)
@@ -974,7 +981,7 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple
             searches = [job.run(pool.map, max(1, processes // len(job.seeds)))]
             progress.update()
         else:
-            searches = progress_file.run(pool, jobs, progress)  # the smaller fleets first: done first if stopped
+            searches = _map_largest_first(pool, jobs, progress)
     print(f"\nGoodput per instance by fleet size, {setup.workload.name} (req/s per instance; window "
           f"{setup.window_s:.0f} s after {setup.warmup_s:.0f} s; seeds per probe: {plan.scan_instance_runs} "
           f"instance-runs / instances; searched to {plan.scan_rel_tol:.0%}):")
