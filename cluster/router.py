@@ -173,6 +173,9 @@ class Router:
         # requests whose prompt a prefill instance ran, to be placed on a decode instance
         self.roles: dict[str, str] = {}
         self.handoffs: set[str] = set()
+        # a request on a prefill instance, by the decode instance its hand-off was promised: a stand-in there (its
+        # prompt computed, its first token out) counts it in that instance's batch and KV until it hands off
+        self.reserved: dict[str, InstanceView] = {}
         self.transfer = transfer
 
     # ---- instances -------------------------------------------------------------------------------------------
@@ -235,6 +238,10 @@ class Router:
             return
         self._unlabel(view)
         for rid in view.residents:
+            if self.reserved.get(rid) is view:  # a stand-in: its request is on a prefill instance
+                del self.reserved[rid]
+                continue
+            self._unreserve(rid, now)
             self.requests.pop(rid, None)
             self.handoffs.discard(rid)
 
@@ -242,7 +249,13 @@ class Router:
         view = self.fleet[instance_id]
         self._unlabel(view)
         view.status, view.since = InstanceStatus.DEAD, now
-        lost = list(view.residents.values())
+        lost = []
+        for req in view.residents.values():
+            if self.reserved.get(req.request_id) is view:  # a stand-in: its request is on a prefill instance
+                del self.reserved[req.request_id]
+            else:
+                lost.append(req)
+                self._unreserve(req.request_id, now)
         for req in lost:
             req.instance_id = None
             req.num_computed_tokens = 0
@@ -273,8 +286,8 @@ class Router:
             req.late = req.resumed_tokens > 0 or not self._on_time_possible(req, now)
         placed = self._place(req, now)
         if placed is not None:
-            view, how = placed
-            self._apply(req, view, how, now)
+            view, how, decode = placed
+            self._apply(req, view, how, now, decode)
             return Decision(Outcome.PLACED, view.instance_id, how)
         fleet = self.fleet
         if not any(v.status in (InstanceStatus.READY, InstanceStatus.STARTING) for v in fleet.instances.values()) \
@@ -347,6 +360,7 @@ class Router:
         """Left its instance (finished, aborted, failed); a `completed` one's output joins its tier's mean."""
         req = self.requests.pop(request_id, None)
         self.handoffs.discard(request_id)
+        self._unreserve(request_id, now)
         if req is None:
             return
         view = self.fleet.instances.get(req.instance_id) if req.instance_id is not None else None
@@ -354,18 +368,8 @@ class Router:
             self.output_lengths.observe(req.tier, num_output_tokens)
             if view is not None:
                 self.headroom[self._held_to(view, req)].note_finished(req.standing)
-        if view is None:
-            return
-        if view.residents.pop(request_id, None) is not None:
-            per_tier = view.residents_per_tier
-            per_tier[req.tier_index] -= 1
-            if not per_tier[req.tier_index]:
-                del per_tier[req.tier_index]
-            view.summary.remove(req)
-            view.kv_tokens -= req.num_prompt_tokens + req.num_output_tokens
-            self._update_load(view)
-        if view.tier is not None:
-            self._maybe_release(view.tier, now)
+        if view is not None:
+            self._unseat(view, req, now)
 
     def withdraw(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -394,8 +398,8 @@ class Router:
                 if placed is None:
                     break
                 queue.popleft()
-                view, how = placed
-                self._apply(req, view, how, now)
+                view, how, decode = placed
+                self._apply(req, view, how, now, decode)
                 placements.append(Placement(req, view.instance_id, how))
         return placements
 
@@ -411,26 +415,54 @@ class Router:
         return [k for k, q in enumerate(self.queues) if q]
 
     # ---- placement -------------------------------------------------------------------------------------------
-    def _place(self, req: RoutedRequest, now: float) -> tuple[InstanceView, How] | None:
+    def _place(self, req: RoutedRequest,
+               now: float) -> tuple[InstanceView, How, tuple[InstanceView, How] | None] | None:
+        """Where `req` goes and how, and for a prompt sent to a prefill instance, the decode instance its hand-off
+        is promised (`_reserve`)."""
         if self.policy not in ("polyserve", "least-loaded-admission"):
             view = self._baseline_choice(req)
-            return None if view is None else (view, How.BASELINE)
+            return None if view is None else (view, How.BASELINE, None)
         snap, now = self._as_placed(req, now, req.late)
         early = self.first_token_headroom[req.tier_index].margin * req.slo.ttft_ms / 1000.0
         if self.policy == "least-loaded-admission":
             view = self._least_loaded_attaining(req, snap, early, now)
-            return None if view is None else (view, How.BASELINE)
+            return None if view is None else (view, How.BASELINE, None)
         if self.fleet.prefill and req.request_id not in self.handoffs:
-            # none attaining in the prefill pool (a burst, or a pool still growing): a decode instance whose tier
-            # test passes with the prompt's chunks among its decodes runs the request whole
-            placed = self._least_queued_prefill(req, snap, early, now)
-            if placed is not None:
-                return placed
-        if req.resumed_tokens:
-            return self._soonest_next_token(req, snap, early, now)
+            # to the prefill pool with a place for its hand-off (none yet while no decode instance serves); else
+            # (a burst, a pool still growing, a transfer too slow) whole on a decode instance whose tier test passes
+            # with the prompt's chunks among its decodes
+            decode = self._decode_place(req, early, now)
+            if decode is not None or not self._decode_pool_serves():
+                placed = self._least_queued_prefill(req, snap, early, now)
+                if placed is not None:
+                    return (*placed, decode)
+        placed = self._soonest_next_token(req, snap, early, now) if req.resumed_tokens else \
+            self._place_in_order(req, snap, early, now)
+        return None if placed is None else (*placed, None)
+
+    def _place_in_order(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
+                        now: float) -> tuple[InstanceView, How] | None:
+        """The first instance that attains `req` in its tier's scan order: its own tier's and the tighter ones'
+        before the idle pool, then the rest (`_scan_orders`)."""
         before_scale_up, after_scale_up = self._tier_orders[req.tier_index]
         return self._place_in(before_scale_up, req, snap, early, now) or self._scale_up(req, snap, early, now) \
             or self._place_in(after_scale_up, req, snap, early, now)
+
+    def _decode_pool_serves(self) -> bool:
+        ready = InstanceStatus.READY
+        return any(self.roles.get(v.instance_id) == "decode" and v.status is ready
+                   for v in self.fleet.instances.values())
+
+    def _decode_place(self, req: RoutedRequest, early: float, now: float) -> tuple[InstanceView, How] | None:
+        """The instance that would take `req`'s hand-off were its prompt done now, as `hand_off` places it. A
+        prompt goes to the prefill pool only with such a place, which it then holds (`_reserve`): else a prefill
+        pool that keeps pace with the arrivals hands the decode pool more than it holds, and the hand-offs wait for
+        room past their next token's deadline, every tier's together, where a request held back here waits in its
+        queue and is given up alone once its first token can no longer be on time."""
+        arrives = now + self._transfer_s(req)  # dated as `_as_placed` dates a hand-off
+        snap = RequestSnapshot(arrives if req.late else req.arrival + req.tpot_s, req.num_prompt_tokens,
+                               req.max_tokens, req.slo, req.tier, req.num_prompt_tokens, 1)
+        return self._place_in_order(req, snap, early, arrives)
 
     def _as_placed(self, req: RoutedRequest, now: float, late: bool) -> tuple[RequestSnapshot, float]:
         """`req` as the test sees it, and the time its placement starts from: a `late` request dated then; a
@@ -635,7 +667,10 @@ class Router:
         idle = InstanceState((), capacity, start, req.slo.tpot_ms)
         return self.checker.check(idle, snap, start).first_token_time <= snap.first_token_due
 
-    def _apply(self, req: RoutedRequest, view: InstanceView, how: How, now: float) -> None:
+    def _apply(self, req: RoutedRequest, view: InstanceView, how: How, now: float,
+               decode: tuple[InstanceView, How] | None = None) -> None:
+        if decode is not None:
+            self._reserve(req, *decode, now)
         if how is How.SCALED_UP:
             self.fleet.idle.remove(view)
             self._join(view, req.tier_index, now)
@@ -654,6 +689,43 @@ class Router:
             self._log(now, how.value, sample.request_id, view.instance_id, sample.tier_index)
         req.companions = ()  # placed, each is a request of its own: lost, each is placed again alone
         self._update_load(view)
+
+    def _reserve(self, req: RoutedRequest, view: InstanceView, how: How, now: float) -> None:
+        """Hold `req`'s place on the decode instance `view` while its prompt runs on a prefill instance: a stand-in
+        resident (prompt computed, first token out) until it leaves the prefill instance (`_unreserve`), so that the
+        prompts in flight count in the decode pool's batches and KV, and the next placement sees the room they
+        will take."""
+        if how is How.SCALED_UP:
+            self.fleet.idle.remove(view)
+            self._join(view, req.tier_index, now)
+        stand_in = RoutedRequest(req.request_id, req.tier_index, req.tier, req.slo, req.arrival,
+                                 req.num_prompt_tokens, req.max_tokens, view.instance_id, req.num_prompt_tokens, 1)
+        view.residents[req.request_id] = stand_in
+        view.summary.add(stand_in)
+        view.residents_per_tier[req.tier_index] += 1
+        view.kv_tokens += req.num_prompt_tokens + 1
+        self.reserved[req.request_id] = view
+        self._update_load(view)
+
+    def _unreserve(self, request_id: str, now: float) -> None:
+        """The stand-in of `request_id` off its decode instance, if it holds one: its hand-off is then placed as any
+        other, most often where the stand-in was."""
+        view = self.reserved.pop(request_id, None)
+        if view is not None:
+            self._unseat(view, view.residents[request_id], now)
+
+    def _unseat(self, view: InstanceView, req: RoutedRequest, now: float) -> None:
+        """`req` off `view`'s residents, and `view` back to the idle pool if its tier can spare it."""
+        if view.residents.pop(req.request_id, None) is not None:
+            per_tier = view.residents_per_tier
+            per_tier[req.tier_index] -= 1
+            if not per_tier[req.tier_index]:
+                del per_tier[req.tier_index]
+            view.summary.remove(req)
+            view.kv_tokens -= req.num_prompt_tokens + req.num_output_tokens
+            self._update_load(view)
+        if view.tier is not None:
+            self._maybe_release(view.tier, now)
 
     @staticmethod
     def _seat(view: InstanceView, companion: RoutedRequest) -> None:

@@ -267,7 +267,13 @@ def test_the_routers_decode_seconds_per_token_from_its_decode_residents():
     router = pd_router(pd_limits(), decode=("d0", "d1"))
     assert router.decode_seconds_per_token == 0.0  # nothing decoding: nothing to size from
     assert router.submit(prompt("new", 1000, 0.0), 0.0).instance_id == "p0"
-    assert router.decode_seconds_per_token == 0.0  # a prefill engine's resident is no decode work
+    # the decode engine that holds the prompt's place counts it as it will be there, decoding
+    held = router.reserved["new"]
+    assert held.instance_id in ("d0", "d1") and list(held.residents) == ["new"]
+    assert router.decode_seconds_per_token == decode_seconds_per_token(
+        router.model, router.headroom[1].budget_ms(TIERS[1].tpot_ms) / 1000.0, 1001, CAPACITY // 1001)
+    router.on_finished("new", 0, 0.0, completed=False)  # it left the prefill engine: its place is given back
+    assert router.decode_seconds_per_token == 0.0 and not held.residents
     # short contexts, so that the KV does not bound the batch before the tight tier's TPOT does
     loose = hand_off(router, "a", 1, 40, 0.0)
     view = router.fleet.instances[loose]

@@ -452,13 +452,67 @@ def test_the_router_fills_the_least_queued_prefill_instance_and_waits_for_the_tr
     # each prompt goes where the least work waits: "b" beside "a"'s 300 tokens, "c" behind "b"'s 100
     assert [placed[rid].instance_id for rid in "abc"] == ["p0", "p1", "p1"]
     assert router.fleet["p0"].load > router.fleet["p1"].load > 0
-    # "x"'s KV takes 600 ms to move, past its whole TTFT: no prefill instance attains it, so the idle decode
-    # instance joins its tier and runs it whole, prefill and all
+    # each holds a place for its hand-off on the decode instance, which joined their tier for the first
+    decode = router.fleet["d"]
+    assert all(router.reserved[rid] is decode for rid in "abc") and decode.tier == reqs["a"].tier_index
+    assert sorted(decode.residents) == ["a", "b", "c"]
+    # "x"'s KV takes 600 ms to move, past its whole TTFT: no prefill instance attains it, so the decode instance
+    # runs it whole, prefill and all
     x = router.submit(reqs["x"], 0.0)
-    assert x.instance_id == "d" and x.how is How.SCALED_UP and "x" not in router.handoffs
+    assert x.instance_id == "d" and x.how is How.OWN and "x" not in router.handoffs and "x" not in router.reserved
     # "b"'s KV arrives at 0.11 s, its next token due at 0.55 s: on time
     router.on_finished("b", 1, 0.01, completed=False)
     assert router.hand_off(reqs["b"], 0.01).instance_id == "d" and not reqs["b"].late
     # "a" first token at 0.3 s: its KV arrives at 0.6 s, past its next token's deadline; served late all the same
     router.on_finished("a", 1, 0.3, completed=False)
     assert router.hand_off(reqs["a"], 0.3).instance_id == "d" and reqs["a"].late
+
+
+def test_a_prompt_goes_to_prefill_only_with_a_decode_place_held_for_it():
+    """PolyServe's PD admission: a prompt goes to the prefill pool only while a decode instance would take its
+    hand-off, and holds that place (a stand-in resident) until it leaves the prefill instance; one with no place
+    waits in its queue, and goes once a place frees. A lost instance gives its places and stand-ins back."""
+    from cluster.fleet import RoutedRequest
+    from cluster.router import How, Outcome
+
+    tiers = EngineConfig(executor="emulated").tier_set
+    tier = tiers[tiers.index("standard")]
+    router = Router(tiers, emulated_latency_model())
+    for instance_id, role, kv in [("p0", "prefill", 1 << 20), ("p1", "prefill", 1 << 20), ("d", "decode", 1000)]:
+        router.add_instance(instance_id, 0.0)
+        router.set_role(instance_id, role)
+        router.on_ready(instance_id, kv, 0.0)
+    reqs = {rid: RoutedRequest(rid, tiers.index(tier.name), tier.name, tier.slo, 0.0, 600, 20) for rid in "ab"}
+    decode = router.fleet["d"]
+
+    assert router.submit(reqs["a"], 0.0).how is How.PREFILL
+    assert router.reserved["a"] is decode and decode.kv_tokens == 601  # its prompt and first token
+    # "b" would fit the decode instance's KV alone, not beside "a": it waits, neither on prefill nor run whole
+    assert router.submit(reqs["b"], 0.0).outcome is Outcome.QUEUED and "b" not in router.reserved
+    assert [r.request_id for r in router.queues[reqs["b"].tier_index]] == ["b"]
+    # "a" hands off: its stand-in gives way to it, and "b" still finds no room
+    router.on_finished("a", 1, 0.05, completed=False)
+    assert "a" not in router.reserved and "a" not in decode.residents
+    assert router.hand_off(reqs["a"], 0.05).instance_id == "d" and decode.residents["a"] is reqs["a"]
+    assert router.retry_queued(0.06) == []
+    # "a" done: "b" goes to prefill from the queue, holding the freed place
+    router.on_finished("a", 20, 0.2)
+    [placement] = router.retry_queued(0.2)
+    assert placement.request.request_id == "b" and placement.how is How.PREFILL
+    assert router.reserved["b"] is decode and decode.residents["b"] is not reqs["b"]  # a stand-in
+    # the decode instance lost: the stand-in is no lost request ("b" still runs on prefill), its place is gone
+    assert router.on_lost("d", 0.6) == [] and not router.reserved
+    assert router.requests["b"].instance_id == placement.instance_id
+    # with no decode instance serving, a prompt still goes to prefill (its hand-off waits for one to join)
+    later = RoutedRequest("c", reqs["a"].tier_index, tier.name, tier.slo, 0.7, 600, 20)
+    assert router.submit(later, 0.7).how is How.PREFILL and "c" not in router.reserved
+    # a prefill instance lost gives back the decode places its prompts held
+    router.add_instance("d2", 0.8)
+    router.set_role("d2", "decode")
+    router.on_ready("d2", 1 << 20, 0.8)
+    late = RoutedRequest("e", reqs["a"].tier_index, tier.name, tier.slo, 0.8, 100, 20)
+    placed = router.submit(late, 0.8)
+    assert placed.how is How.PREFILL and router.reserved["e"] is router.fleet["d2"]
+    lost = router.on_lost(placed.instance_id, 0.9)
+    assert "e" in [r.request_id for r in lost] and "e" not in router.reserved
+    assert "e" not in router.fleet["d2"].residents
