@@ -25,7 +25,7 @@ because the engine produces and checks them itself: an in-process transport need
 Between two CPU caches nothing but the kernel copies the bytes. A sender takes each chunk as the cache's rows
 (`KvExport.pieces`: views, their checksum taken where they lie, `rows_checksum`) and a socket transport writes them
 as they are (`encode_chunk_head`, then the rows: `sendmsg`); from a device's cache a chunk crosses into pinned host
-memory first. On the receiving side a transport that reads a frame's head first (`decode_chunk_head`) reads the
+memory first, its checksum summed on the device before it does. On the receiving side a transport that reads a frame's head first (`decode_chunk_head`) reads the
 chunk's data straight into the memory the receiver gives for it (`KvReceiver.chunk_memory`, a `ChunkLanding`):
 into a CPU cache, the rows of the reserved blocks the bytes belong in, where the receiver then checks them; into a
 device's cache, the chunk's place in a staging payload, which goes into the blocks in one indexed copy at the end
@@ -272,10 +272,13 @@ def chunk_checksum(data: bytes | bytearray | memoryview | np.ndarray, fold_bytes
     return zlib.crc32(len(raw).to_bytes(8, "big"), crc)
 
 
-def rows_checksum(rows: list[np.ndarray], fold_bytes: int) -> int:
+def rows_checksum(rows: list[np.ndarray] | list[torch.Tensor], fold_bytes: int) -> int:
     """`chunk_checksum` of the bytes of `rows` one after another, each a 2-D byte array whose rows are each one run
     of bytes (equally spaced rows of a cache, a view of them): when every row is whole folds, the folds' sums are
-    taken where the rows lie, with one numpy reduction per array, not a copy; else over a joined copy."""
+    taken where the rows lie, with one numpy reduction per array, not a copy; else over a joined copy. Tensors (a
+    device's cache) are summed where they lie, on their device (`_tensor_rows_checksum`)."""
+    if rows and isinstance(rows[0], torch.Tensor):
+        return _tensor_rows_checksum(rows, fold_bytes)
     if len(rows) == 1 and rows[0].flags.c_contiguous:
         return chunk_checksum(rows[0], fold_bytes)
     if any(part.shape[1] % fold_bytes for part in rows):
@@ -286,6 +289,24 @@ def rows_checksum(rows: list[np.ndarray], fold_bytes: int) -> int:
         sums += part.view(_WORD).reshape(len(part), -1, words).sum(axis=(0, 1), dtype=_WORD)
     size = sum(part.size for part in rows)
     return zlib.crc32(size.to_bytes(8, "big"), zlib.crc32(sums) if size else 0)
+
+
+def _tensor_rows_checksum(rows: list[torch.Tensor], fold_bytes: int) -> int:
+    """`rows_checksum` of byte tensors, the folds' sums taken on their device: only the sums, and the bytes after
+    the last whole fold, cross to the host. A device's KV then never passes through the sender's CPU but for the
+    kernel's copy into the socket. The words are summed as int64, whose two's-complement sums wrap as uint64's do."""
+    words = fold_bytes // _WORD.itemsize
+    size = sum(part.numel() for part in rows)
+    if any(part.shape[1] % fold_bytes for part in rows) or size % fold_bytes:
+        data = torch.cat([part.reshape(-1) for part in rows]) if len(rows) > 1 else rows[0].reshape(-1).contiguous()
+        body = size - size % fold_bytes
+        sums = data[:body].view(torch.int64).view(-1, words).sum(dim=0) if body else None
+        tail = data[body:].cpu().numpy()
+    else:
+        sums = sum(part.view(torch.int64).reshape(len(part), -1, words).sum(dim=(0, 1)) for part in rows)
+        tail = b""
+    crc = zlib.crc32(sums.cpu().numpy().view(_WORD)) if sums is not None else 0
+    return zlib.crc32(size.to_bytes(8, "big"), zlib.crc32(tail, crc))
 
 
 def _chain(crc: int, checksum: int) -> int:
@@ -449,13 +470,13 @@ def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, bl
     try:
         for index, (start, end) in enumerate(spans):
             rows = _rows_of(planes, wanted, rows_per_block, row, start, end)
+            checksum = rows_checksum(rows, layout.fold_bytes)  # a device's on the device, before the copy out
             if staging is not None:
                 at = 0
                 for part in rows:
                     staging[at:at + part.numel()].view(part.shape).copy_(part)
                     at += part.numel()
                 rows = [staging[:at].numpy()[None]]
-            checksum = rows_checksum(rows, layout.fold_bytes)
             crc = _chain(crc, checksum)
             yield KvChunk(request_id, index, checksum, b""), [memoryview(r) for part in rows for r in part]
     finally:

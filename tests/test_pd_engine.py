@@ -187,6 +187,22 @@ def test_the_checksum_over_rows_where_they_lie_is_that_of_their_bytes_joined():
     assert KvLayout(2, 1, 3, 1, "bfloat16").fold_bytes == 4096  # a row that is no whole number of words
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_a_devices_rows_are_checksummed_where_they_lie_to_the_same_checksum(device):
+    """`rows_checksum` of tensor rows (a device's cache, summed on the device) is that of the same bytes on the
+    host, whole folds or not, a part of a row, and words whose column sums wrap past 2**64."""
+    host = np.random.default_rng(3).integers(0, 256, (6, 5, 384), dtype=np.uint8)
+    host[:, :, :128] = 0xFF  # the first fold's words near 2**64: their sums wrap
+    planes = torch.from_numpy(host).to(device)
+    for fold in (128, 4096):
+        for parts in ([(slice(1, 4), 2), (slice(0, 2), 4)], [(2, 3, slice(100, 300)), (slice(0, 6), 1)],
+                      [(5, 0)], [(slice(0, 6), 0)]):
+            on_host = [host[index] if host[index].ndim == 2 else host[index][None] for index in parts]
+            on_device = [planes[index] if planes[index].dim() == 2 else planes[index][None] for index in parts]
+            assert rows_checksum(on_device, fold) == rows_checksum(on_host, fold), (fold, parts)
+
+
 def test_a_chunk_is_encoded_without_its_data_copied_into_the_same_bytes():
     """The head and the data of `encode_frame_parts`, joined, are `encode_frame`'s bytes at every width of msgpack's
     bin header; the data part is the chunk's own memory; the other frames are whole in the head."""
