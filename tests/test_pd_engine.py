@@ -187,8 +187,8 @@ def test_the_checksum_over_rows_where_they_lie_is_that_of_their_bytes_joined():
     assert KvLayout(2, 1, 3, 1, "bfloat16").fold_bytes == 4096  # a row that is no whole number of words
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device")])])
 def test_a_devices_rows_are_checksummed_where_they_lie_to_the_same_checksum(device):
     """`rows_checksum` of tensor rows (a device's cache, summed on the device) is that of the same bytes on the
     host, whole folds or not, a part of a row, and words whose column sums wrap past 2**64."""
@@ -554,8 +554,8 @@ def test_a_chunk_head_decodes_from_the_leading_bytes_alone():
     assert decode_chunk_head(b"") is None and decode_chunk_head(b"\x95\x00garbage") is None
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device")])])
 def test_write_blocks_puts_each_block_in_its_place_and_no_other(device):
     """One indexed copy of host bytes into scattered blocks (pinned host bytes, on CUDA), the inverse of
     `read_blocks`; the blocks not named keep their bytes."""
