@@ -25,12 +25,14 @@ because the engine produces and checks them itself: an in-process transport need
 Between two CPU caches nothing but the kernel copies the bytes. A sender takes each chunk as the cache's rows
 (`KvExport.pieces`: views, their checksum taken where they lie, `rows_checksum`) and a socket transport writes them
 as they are (`encode_chunk_head`, then the rows: `sendmsg`); from a device's cache a chunk crosses into pinned host
-memory first, its checksum summed on the device before it does. On the receiving side a transport that reads a frame's head first (`decode_chunk_head`) reads the
-chunk's data straight into the memory the receiver gives for it (`KvReceiver.chunk_memory`, a `ChunkLanding`):
-into a CPU cache, the rows of the reserved blocks the bytes belong in, where the receiver then checks them; into a
-device's cache, the chunk's place in a staging payload, which goes into the blocks in one indexed copy at the end
-(`write_blocks`), from pinned memory (one DMA to the device). A chunk decoded whole (`decode_frame`, or iterated in
-process) is checked as it is, then written into its blocks (`write_payload_part`) or its staging.
+memory first, its checksum summed on the device before it does. On the receiving side a transport that reads a
+frame's head first (`decode_chunk_head`) reads the chunk's data straight into the memory the receiver gives for it
+(`KvReceiver.chunk_memory`, a `ChunkLanding`): into a CPU cache, the rows of the reserved blocks the bytes belong in,
+where the receiver then checks them; into a device's cache, the chunk's place in a staging payload, which crosses to
+the device in one DMA from pinned memory at the end, where every chunk is checked at once (`payload_checksums`)
+before one indexed copy puts it into the blocks (`write_blocks`): the decode side's CPU does not read the payload
+either. A chunk decoded whole (`decode_frame`, or iterated in process) is checked as it is (a device's: with the
+rest, at the end), then written into its blocks (`write_payload_part`) or its staging.
 """
 from __future__ import annotations
 
@@ -295,10 +297,12 @@ def _tensor_rows_checksum(rows: list[torch.Tensor], fold_bytes: int) -> int:
     """`rows_checksum` of byte tensors, the folds' sums taken on their device: only the sums, and the bytes after
     the last whole fold, cross to the host. A device's KV then never passes through the sender's CPU but for the
     kernel's copy into the socket. The words are summed as int64, whose two's-complement sums wrap as uint64's do."""
-    words = fold_bytes // _WORD.itemsize
+    words, word = fold_bytes // _WORD.itemsize, _WORD.itemsize
     size = sum(part.numel() for part in rows)
-    if any(part.shape[1] % fold_bytes for part in rows) or size % fold_bytes:
-        data = torch.cat([part.reshape(-1) for part in rows]) if len(rows) > 1 else rows[0].reshape(-1).contiguous()
+    if any(part.shape[1] % fold_bytes or part.storage_offset() % word or part.stride(0) % word for part in rows):
+        data = torch.cat([part.reshape(-1) for part in rows]) if len(rows) > 1 else rows[0].reshape(-1)
+        if data.storage_offset() % word or not data.is_contiguous():
+            data = data.clone()  # words start where the bytes do
         body = size - size % fold_bytes
         sums = data[:body].view(torch.int64).view(-1, words).sum(dim=0) if body else None
         tail = data[body:].cpu().numpy()
@@ -307,6 +311,26 @@ def _tensor_rows_checksum(rows: list[torch.Tensor], fold_bytes: int) -> int:
         tail = b""
     crc = zlib.crc32(sums.cpu().numpy().view(_WORD)) if sums is not None else 0
     return zlib.crc32(size.to_bytes(8, "big"), zlib.crc32(tail, crc))
+
+
+def payload_checksums(payload: torch.Tensor, spans: list[tuple[int, int]], fold_bytes: int) -> list[int]:
+    """`chunk_checksum` of each span of `payload`, a byte tensor, summed on its device. Spans of whole folds one
+    after another from the start (a KV payload's chunks) take one reduction for all, their folds' words added into
+    a row per chunk; others are summed span by span."""
+    words = fold_bytes // _WORD.itemsize
+    whole = all((end - start) % fold_bytes == 0 for start, end in spans)
+    if not (whole and [start for start, _ in spans] == [0] + [end for _, end in spans[:-1]]):
+        return [_tensor_rows_checksum([payload[start:end][None]], fold_bytes) for start, end in spans]
+    device = payload.device
+    if payload.storage_offset() % _WORD.itemsize:
+        payload = payload.clone()  # words start where the bytes do
+    folds = payload[:spans[-1][1] if spans else 0].view(torch.int64).view(-1, words)
+    owner = torch.repeat_interleave(torch.arange(len(spans), device=device),
+                                    torch.tensor([(end - start) // fold_bytes for start, end in spans], device=device))
+    sums = torch.zeros(len(spans), words, dtype=torch.int64, device=device).index_add_(0, owner, folds)
+    host = sums.cpu().numpy().view(_WORD)
+    return [zlib.crc32((end - start).to_bytes(8, "big"), zlib.crc32(host[i]) if end > start else 0)
+            for i, (start, end) in enumerate(spans)]
 
 
 def _chain(crc: int, checksum: int) -> int:
@@ -580,7 +604,9 @@ class KvReceiver:
     blocks, is checked there and counts once its checksum holds: until `Engine.finish_import` marks them computed
     nothing reads those blocks, and a transfer that fails gives them back as they are (a failed chunk's bytes in
     them too), with no prefix-cache entry naming them. Into a device's cache (or with none) the payload waits in
-    host staging (`payload`, pinned where CUDA is) until `apply` puts it there in one copy. It touches no engine
+    host staging (`payload`, pinned where CUDA is) until `apply` puts it there in one copy; a device's cache has
+    its chunks checked there, as `apply` puts them in, and one that fails then raises before any block is written
+    (`checked_on_device`), where a host's are checked as they come. It touches no engine
     state, so a transport may feed it off the engine's thread; `cancel`, from any thread, ends its writes into the
     cache before the blocks are given back. Its host buffers go back to a pool for later transfers when the receiver
     is dropped: `payload` is valid as long as the receiver is referenced. A transport that reads a chunk's head
@@ -598,6 +624,10 @@ class KvReceiver:
         self.in_place = bool(self.total_bytes) and kv_cache is not None and kv_cache.device.type == "cpu" \
             and kv_cache.is_contiguous()  # as every executor's is
         self.payload: torch.Tensor | None = None  # staged (not in place): the bytes received, in payload order
+        # staged for a device's cache: each chunk is checked there, all at once, as `apply` puts the payload in
+        # (the host only stages the bytes); its (start, end, checksum) until then
+        self.checked_on_device = kv_cache is not None and kv_cache.device.type != "cpu"
+        self._unchecked: list[tuple[int, int, int]] = []
         self._buffers: list[torch.Tensor] = []  # host buffers taken from `_staging`, given back when it goes
         weakref.finalize(self, _staging.give_all, self._buffers).atexit = False
         if self.in_place:  # the cache's rows, `[layers * 2, blocks, row]`: a view
@@ -686,8 +716,10 @@ class KvReceiver:
             if data.filled != data.nbytes:
                 raise KvTransferError(f"request {self.request_id!r}: chunk {index} landed {data.filled} of its "
                                       f"{data.nbytes} bytes")
-            self._check(index, rows_checksum(self._landing_rows, fold) if self.in_place
-                        else chunk_checksum(data.buffers[0], fold), chunk.checksum)
+            if self.in_place:
+                self._check(index, rows_checksum(self._landing_rows, fold), chunk.checksum)
+            else:
+                self._staged(index, end, data.buffers[0], chunk.checksum)
         elif self.in_place:  # checked as it came, then written into its blocks while it is still cached
             received = np.frombuffer(data, dtype=np.uint8)
             self._check(index, chunk_checksum(received, fold), chunk.checksum)
@@ -699,9 +731,17 @@ class KvReceiver:
         else:  # copied into staging and checked there: the staging bytes count only once the checksum holds
             staged = self.payload.numpy()[self._received:end]
             staged[:] = np.frombuffer(data, dtype=np.uint8)
-            self._check(index, chunk_checksum(staged, fold), chunk.checksum)
+            self._staged(index, end, staged, chunk.checksum)
         self._received, self._crc = end, _chain(self._crc, chunk.checksum)
         self._next_index += 1
+
+    def _staged(self, index: int, end: int, staged, checksum: int) -> None:
+        """A chunk's bytes in staging, `self._received .. end`: checked now on the host, or for a device's cache
+        kept for the check on the device."""
+        if self.checked_on_device:
+            self._unchecked.append((self._received, end, checksum))
+        else:
+            self._check(index, chunk_checksum(staged, self.handoff.layout.fold_bytes), checksum)
 
     def _check(self, index: int, got: int, checksum: int) -> None:
         if got != checksum:
@@ -718,14 +758,22 @@ class KvReceiver:
 
     def apply(self) -> None:
         """Puts a complete transfer's bytes into the reserved blocks of `kv_cache`: in place they are there already;
-        staged, they go in one indexed copy (`write_blocks`: on a device one DMA of the pinned payload, then a
-        copy on the device). KvTransferError when the transfer is not complete."""
+        staged, they go in one indexed copy (`write_blocks`: on a device one DMA of the pinned payload, every chunk
+        checked there, then a copy on the device). KvTransferError, nothing written, when the transfer is not
+        complete or a chunk fails its checksum on the device."""
         if not self.complete:
             raise KvTransferError(f"request {self.request_id!r}: the KV transfer is not complete")
         if self.total_bytes and not self.in_place:
             if self.kv_cache is None:
                 raise KvTransferError(f"request {self.request_id!r}: no KV cache to put its payload in")
-            write_blocks(self.kv_cache, self.block_ids[self.first_block:self.handoff.num_blocks], self.payload)
+            payload = self.payload
+            if self.checked_on_device:  # across in one DMA, checked there before any block is written
+                payload = payload.to(self.kv_cache.device)
+                spans = [(start, end) for start, end, _ in self._unchecked]
+                sums = payload_checksums(payload, spans, self.handoff.layout.fold_bytes)
+                for index, (got, (_, _, checksum)) in enumerate(zip(sums, self._unchecked)):
+                    self._check(index, got, checksum)
+            write_blocks(self.kv_cache, self.block_ids[self.first_block:self.handoff.num_blocks], payload)
 
     def cancel(self) -> None:
         """Ends the transfer here, from any thread: once this returns no chunk is written into the cache any more,
