@@ -728,7 +728,7 @@ class KvReceiver:
                     raise KvTransferError(f"request {self.request_id!r}: the import was cancelled")
                 write_payload_part(self.kv_cache, self.block_ids[self.first_block:self.handoff.num_blocks],
                                    self._received, received)
-        else:  # copied into staging and checked there: the staging bytes count only once the checksum holds
+        else:  # copied into staging and checked there (a device's: at `apply`), counting only once it holds
             staged = self.payload.numpy()[self._received:end]
             staged[:] = np.frombuffer(data, dtype=np.uint8)
             self._staged(index, end, staged, chunk.checksum)
