@@ -237,25 +237,15 @@ class Router:
         if view is None:
             return
         self._unlabel(view)
-        for rid in view.residents:
-            if self.reserved.get(rid) is view:  # a stand-in: its request is on a prefill instance
-                del self.reserved[rid]
-                continue
-            self._unreserve(rid, now)
-            self.requests.pop(rid, None)
-            self.handoffs.discard(rid)
+        for req in self._leaving(view, now):
+            self.requests.pop(req.request_id, None)
+            self.handoffs.discard(req.request_id)
 
     def on_lost(self, instance_id: str, now: float) -> list[RoutedRequest]:
         view = self.fleet[instance_id]
         self._unlabel(view)
         view.status, view.since = InstanceStatus.DEAD, now
-        lost = []
-        for req in view.residents.values():
-            if self.reserved.get(req.request_id) is view:  # a stand-in: its request is on a prefill instance
-                del self.reserved[req.request_id]
-            else:
-                lost.append(req)
-                self._unreserve(req.request_id, now)
+        lost = self._leaving(view, now)
         for req in lost:
             req.instance_id = None
             req.num_computed_tokens = 0
@@ -267,6 +257,18 @@ class Router:
         view.summary.rebuild()
         self._log(now, "lost", None, instance_id, None)
         return lost
+
+    def _leaving(self, view: InstanceView, now: float) -> list[RoutedRequest]:
+        """The requests of an instance that goes away, each one's decode place given back; its stand-ins are not
+        among them (their requests run on prefill instances), their places forgotten."""
+        leaving = []
+        for req in view.residents.values():
+            if self.reserved.get(req.request_id) is view:
+                del self.reserved[req.request_id]
+            else:
+                leaving.append(req)
+                self._unreserve(req.request_id, now)
+        return leaving
 
     # ---- requests --------------------------------------------------------------------------------------------
     def admissible(self, request: RequestSnapshot) -> Attainability | None:
@@ -671,9 +673,7 @@ class Router:
                decode: tuple[InstanceView, How] | None = None) -> None:
         if decode is not None:
             self._reserve(req, *decode, now)
-        if how is How.SCALED_UP:
-            self.fleet.idle.remove(view)
-            self._join(view, req.tier_index, now)
+        self._take(view, how, req.tier_index, now)
         if req.request_id not in self.handoffs:  # a hand-off's prompt is computed there by its import
             req.num_computed_tokens = req.num_output_tokens = 0
         view.residents[req.request_id] = req
@@ -695,9 +695,7 @@ class Router:
         resident (prompt computed, first token out) until it leaves the prefill instance (`_unreserve`), so that the
         prompts in flight count in the decode pool's batches and KV, and the next placement sees the room they
         will take."""
-        if how is How.SCALED_UP:
-            self.fleet.idle.remove(view)
-            self._join(view, req.tier_index, now)
+        self._take(view, how, req.tier_index, now)
         stand_in = RoutedRequest(req.request_id, req.tier_index, req.tier, req.slo, req.arrival,
                                  req.num_prompt_tokens, req.max_tokens, view.instance_id, req.num_prompt_tokens, 1)
         view.residents[req.request_id] = stand_in
@@ -737,6 +735,12 @@ class Router:
         companion.num_output_tokens = 0
         view.residents[companion.request_id] = companion
         view.summary.add(companion)
+
+    def _take(self, view: InstanceView, how: How, tier: int, now: float) -> None:
+        """An idle instance a placement scaled up joins `tier`."""
+        if how is How.SCALED_UP:
+            self.fleet.idle.remove(view)
+            self._join(view, tier, now)
 
     def _join(self, view: InstanceView, tier: int, now: float) -> None:
         view.tier, view.since = tier, now
