@@ -267,11 +267,15 @@ def chunk_checksum(data: bytes | bytearray | memoryview | np.ndarray, fold_bytes
         raise ValueError(f"fold_bytes must be a positive multiple of {_WORD.itemsize}, got {fold_bytes}")
     raw = np.frombuffer(data, dtype=np.uint8)
     body = len(raw) - len(raw) % fold_bytes
-    crc = 0
-    if body:
-        crc = zlib.crc32(raw[:body].view(_WORD).reshape(-1, fold_bytes // _WORD.itemsize).sum(axis=0, dtype=_WORD))
-    crc = zlib.crc32(raw[body:], crc)
-    return zlib.crc32(len(raw).to_bytes(8, "big"), crc)
+    sums = raw[:body].view(_WORD).reshape(-1, fold_bytes // _WORD.itemsize).sum(axis=0, dtype=_WORD) if body else None
+    return _checksum_of(sums, raw[body:], len(raw))
+
+
+def _checksum_of(sums, tail, size: int) -> int:
+    """`chunk_checksum` of `size` bytes from their folds' column sums (host words; None: no whole fold) and the
+    bytes after the last whole fold: the CRC-32 of the sums, then of the tail, then of the length."""
+    crc = zlib.crc32(sums) if sums is not None else 0
+    return zlib.crc32(size.to_bytes(8, "big"), zlib.crc32(tail, crc))
 
 
 def rows_checksum(rows: list[np.ndarray] | list[torch.Tensor], fold_bytes: int) -> int:
@@ -290,7 +294,7 @@ def rows_checksum(rows: list[np.ndarray] | list[torch.Tensor], fold_bytes: int) 
     for part in rows:
         sums += part.view(_WORD).reshape(len(part), -1, words).sum(axis=(0, 1), dtype=_WORD)
     size = sum(part.size for part in rows)
-    return zlib.crc32(size.to_bytes(8, "big"), zlib.crc32(sums) if size else 0)
+    return _checksum_of(sums if size else None, b"", size)
 
 
 def _tensor_rows_checksum(rows: list[torch.Tensor], fold_bytes: int) -> int:
@@ -309,8 +313,7 @@ def _tensor_rows_checksum(rows: list[torch.Tensor], fold_bytes: int) -> int:
     else:
         sums = sum(part.view(torch.int64).reshape(len(part), -1, words).sum(dim=(0, 1)) for part in rows)
         tail = b""
-    crc = zlib.crc32(sums.cpu().numpy().view(_WORD)) if sums is not None else 0
-    return zlib.crc32(size.to_bytes(8, "big"), zlib.crc32(tail, crc))
+    return _checksum_of(sums.cpu().numpy().view(_WORD) if sums is not None else None, tail, size)
 
 
 def payload_checksums(payload: torch.Tensor, spans: list[tuple[int, int]], fold_bytes: int) -> list[int]:
@@ -329,8 +332,7 @@ def payload_checksums(payload: torch.Tensor, spans: list[tuple[int, int]], fold_
                                     torch.tensor([(end - start) // fold_bytes for start, end in spans], device=device))
     sums = torch.zeros(len(spans), words, dtype=torch.int64, device=device).index_add_(0, owner, folds)
     host = sums.cpu().numpy().view(_WORD)
-    return [zlib.crc32((end - start).to_bytes(8, "big"), zlib.crc32(host[i]) if end > start else 0)
-            for i, (start, end) in enumerate(spans)]
+    return [_checksum_of(host[i] if end > start else None, b"", end - start) for i, (start, end) in enumerate(spans)]
 
 
 def _chain(crc: int, checksum: int) -> int:
