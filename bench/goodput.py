@@ -88,7 +88,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -161,17 +161,23 @@ class Setup:
         end = self.window[1]
         return build_setup(self).workloads.poisson(rate, end, seed, self.workload.phase_change_at(self.window))
 
-    def bound(self, rule: GoodputRule | None = EVERY_TIER, disaggregated: bool = False) -> FluidBound:
-        """The fluid bound of `rule` (None: every request attaining) for this setup's tier mix and lengths (a long
-        Poisson sample of them, its phase change half way through), on the fleet's expected step time; of a PD
-        fleet when `disaggregated`."""
+    def bound(self, rule: GoodputRule | None = EVERY_TIER, disaggregated: bool = False,
+              pace_premium: Mapping[str, float] | None = None) -> FluidBound:
+        """The fluid bound of `rule` (None: every request attaining) for this setup's tier mix and lengths
+        (`bound_sample`), on the fleet's expected step time; of a PD fleet when `disaggregated`; with
+        `pace_premium`, the shared-pace reference (`fluid_bound`)."""
         built = build_setup(self)
         base = SimConfig()
-        sample = built.workloads.poisson(200.0, 200.0, seed=0,
-                                         phase_change_at=self.workload.phase_change_at((0.0, 200.0)))
-        return fluid_bound(expected_latency_model(built.model, self.error), sample, base.kv_blocks * base.block_size,
-                           base.max_num_seqs, rule,
-                           prefill_chunk=base.max_num_batched_tokens if disaggregated else None)
+        return fluid_bound(expected_latency_model(built.model, self.error), self.bound_sample(),
+                           base.kv_blocks * base.block_size, base.max_num_seqs, rule,
+                           prefill_chunk=base.max_num_batched_tokens if disaggregated else None,
+                           pace_premium=pace_premium)
+
+    def bound_sample(self) -> Workload:
+        """The requests a bound is computed on: a long Poisson sample of this setup's tier mix and lengths, its
+        phase change half way through."""
+        return build_setup(self).workloads.poisson(200.0, 200.0, seed=0,
+                                                   phase_change_at=self.workload.phase_change_at((0.0, 200.0)))
 
 
 @dataclass(slots=True, frozen=True)

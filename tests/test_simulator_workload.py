@@ -183,6 +183,30 @@ def test_fluid_bound_mixes_tiers_harmonically():
     assert bound.rate(10) == pytest.approx(10 / (0.25 / ca + 0.75 / cb))
 
 
+def test_tier_capacity_at_a_shared_pace():
+    """pace_premium holds every output's allowance to tpot x (1 + premium), the TTFT and the class's output
+    counting for nothing: the largest B of `test_tier_capacity_by_hand` at that allowance."""
+    m = LinearModel(a=0.004, b=2e-5, c=5e-5)
+    p, d, tpot = 1000.0, 200.0, 20.0
+    at_tpot = tier_capacity(m, "t", tpot, 1000.0, p, d, 10**9, 10_000, pace_premium=0.0)
+    assert at_tpot == tier_capacity(m, "t", tpot, tpot, p, d, 10**9, 10_000)  # as though the TTFT were one TPOT
+    paced = tier_capacity(m, "t", tpot, 1000.0, p, d, 10**9, 10_000, allowance_output=20.0, pace_premium=0.1)
+    assert paced.batch == 120  # floor((22 ms - 4 ms) / 0.15 ms): the short class's own allowance is not used
+    with pytest.raises(ValueError, match="pace premium"):
+        tier_capacity(m, "t", tpot, tpot, p, d, 10**9, 10_000, pace_premium=-0.1)
+
+
+def test_the_shared_pace_reference_needs_every_tier_and_grows_with_the_premium():
+    m = LinearModel(a=0.004, b=2e-5, c=5e-5)
+    tiers = TierSet([Tier("a", 10.0, 1000.0), Tier("b", 40.0, 1000.0)])
+    w = Workload(np.arange(4.0), np.full(4, 1000, np.int64), np.array([20, 200, 300, 400], np.int64),
+                 np.array([0, 1, 1, 1], np.int8), tiers)
+    with pytest.raises(ValueError, match=r"no premium for tiers \['b'\]"):
+        fluid_bound(m, w, 10**9, 10_000, pace_premium={"a": 0.0})
+    rates = [fluid_bound(m, w, 10**9, 10_000, pace_premium={"a": x, "b": x}).rate(8) for x in (0.0, 0.05, 0.1)]
+    assert rates[0] < rates[1] < rates[2] < fluid_bound(m, w, 10**9, 10_000).rate(8)  # the TTFT credits far more
+
+
 def test_a_rule_that_lets_requests_miss_is_bounded_without_its_costliest():
     m = LinearModel(a=0.004, b=2e-5, c=5e-5)
     tiers = TierSet([Tier("a", 20.0, 1000.0), Tier("b", 50.0, 2000.0)])

@@ -26,12 +26,16 @@ request's prompt takes prefill instance time at the best per-token cost of a pro
 prefill, each within the allowance of those tokens, (ttft_k + (D - 1) * tpot_k) / (D - 1) (the first token's time
 not charged: an upper bound); the fleet split between the stages as it serves most (fluidly), so a request costs the
 sum of its two stages' instance time.
+
+The same computation with a tier's allowance held to `tpot_k * (1 + premium_k)` for every class (`pace_premium`) is
+not a bound but a reference: what a fleet serves when the residents of an instance share one pace that runs `premium`
+over the TPOT, whatever their output lengths (bench/shared_pace.py measures the premium such a pace can reach).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -75,17 +79,23 @@ class TierCapacity:
 
 def tier_capacity(model: LatencyModel, tier: str, tpot_ms: float, ttft_ms: float, mean_prompt: float,
                   mean_output: float, kv_capacity_tokens: int, max_batch: int,
-                  allowance_output: float | None = None, decode_only: bool = False) -> TierCapacity:
+                  allowance_output: float | None = None, decode_only: bool = False,
+                  pace_premium: float | None = None) -> TierCapacity:
     """B, T(B) and the per-instance rate of requests of these mean lengths (module docstring), their allowance that
     of an output of `allowance_output` tokens (None: the mean); `decode_only`: a PD decode instance's (no prefill in
-    its iterations, one fewer of them, each with that output's allowance per decoded token)."""
+    its iterations, one fewer of them, each with that output's allowance per decoded token); `pace_premium`: the
+    allowance is instead `tpot_ms * (1 + pace_premium)` whatever the output (one pace shared by every length)."""
     if not (mean_prompt > 0 and mean_output >= 1):
         raise ValueError(f"tier {tier}: mean prompt and output must be positive, got {mean_prompt}, {mean_output}")
     d = mean_output if allowance_output is None else allowance_output
     iterations = mean_output - 1 if decode_only else mean_output
     if iterations <= 0:  # its one token comes with its prompt: nothing to decode
         return TierCapacity(tier, mean_prompt, mean_output, 0, 0.0, math.inf)
-    if decode_only:  # the most a decoded token may take: that of the shortest output that decodes at all
+    if pace_premium is not None:
+        if pace_premium < 0:
+            raise ValueError(f"tier {tier}: pace premium must be non-negative, got {pace_premium}")
+        allowance_s = tpot_ms * (1.0 + pace_premium) / 1000.0
+    elif decode_only:  # the most a decoded token may take: that of the shortest output that decodes at all
         d = max(d, 2.0)
         allowance_s = (ttft_ms + (d - 1) * tpot_ms) / (d - 1) / 1000.0
     else:
@@ -124,24 +134,30 @@ class FluidBound:
 
 
 def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int, max_batch: int,
-                rule: GoodputRule | None = None, prefill_chunk: int | None = None) -> FluidBound:
+                rule: GoodputRule | None = None, prefill_chunk: int | None = None,
+                pace_premium: Mapping[str, float] | None = None) -> FluidBound:
     """The bound of `rule` (None: every request attaining) for the tier mix and per-tier lengths of `workload`
     (requests refused at admission left out), `model` giving the step time the fleet really has; with
-    `prefill_chunk`, that of a PD fleet whose prefill instances run chunks of at most that many tokens."""
+    `prefill_chunk`, that of a PD fleet whose prefill instances run chunks of at most that many tokens; with
+    `pace_premium` (by tier name, every tier), the shared-pace reference instead (module docstring)."""
     served = workload.tier_index >= 0
     total = int(served.sum())
     if total == 0:
         raise ValueError("the workload has no admissible request")
     tiers = workload.tiers
     prefill_s = None if prefill_chunk is None else prefill_seconds_per_token(model, prefill_chunk)
+    if pace_premium is not None and {t.name for t in tiers} - pace_premium.keys():
+        raise ValueError(f"pace_premium names no premium for tiers "
+                         f"{sorted({t.name for t in tiers} - pace_premium.keys())}")
+    premiums = [None if pace_premium is None else pace_premium[t.name] for t in tiers]
     masks = [workload.tier_index == k for k in range(len(tiers))]
-    full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s)
-            for tier, mask in zip(tiers, masks)]
+    full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s, premium)
+            for tier, mask, premium in zip(tiers, masks, premiums)]
     if rule is not None and rule.target < 1.0:
         keep = _costliest_dropped(model, workload, masks, full, 1.0 - rule.target, rule.per_tier, prefill_s)
         masks = [m & keep for m in masks]
-        full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s)
-                for tier, mask in zip(tiers, masks)]
+        full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s, premium)
+                for tier, mask, premium in zip(tiers, masks, premiums)]
     shares = tuple(int(m.sum()) / total for m in masks)
     for p, c in zip(shares, full):
         if p > 0 and c.requests_per_s == 0:
@@ -156,21 +172,24 @@ def prefill_seconds_per_token(model: LatencyModel, max_chunk: int) -> float:
 
 
 def _capacity(model: LatencyModel, tier, workload: Workload, mask: np.ndarray, kv_capacity_tokens: int,
-              max_batch: int, prefill_s: float | None = None) -> TierCapacity:
+              max_batch: int, prefill_s: float | None = None, pace_premium: float | None = None) -> TierCapacity:
     """The tier's figures at its mean lengths, its rate over its output-length classes; with `prefill_s` (seconds
-    per prompt token on a prefill instance), a PD fleet's: the decode stage's, plus each prompt's prefill time."""
+    per prompt token on a prefill instance), a PD fleet's: the decode stage's, plus each prompt's prefill time; with
+    `pace_premium`, every class at that shared pace (`tier_capacity`)."""
     if not mask.any():
         return TierCapacity(tier.name, 1.0, 1.0, 0, 0.0, 0.0)
     decode_only = prefill_s is not None
     prompts, outputs = workload.prompt_lens[mask], workload.output_lens[mask]
     at_means = tier_capacity(model, tier.name, tier.tpot_ms, tier.ttft_ms, float(prompts.mean()),
-                             float(outputs.mean()), kv_capacity_tokens, max_batch, decode_only=decode_only)
+                             float(outputs.mean()), kv_capacity_tokens, max_batch, decode_only=decode_only,
+                             pace_premium=pace_premium)
     order = np.argsort(outputs, kind="stable")
     seconds_per_request = float(prompts.mean()) * prefill_s if decode_only else 0.0  # of one instance
     for members in np.array_split(order, min(LENGTH_CLASSES, len(order))):
         c = tier_capacity(model, tier.name, tier.tpot_ms, tier.ttft_ms, float(prompts[members].mean()),
                           float(outputs[members].mean()), kv_capacity_tokens, max_batch,
-                          allowance_output=float(outputs[members].min()), decode_only=decode_only)
+                          allowance_output=float(outputs[members].min()), decode_only=decode_only,
+                          pace_premium=pace_premium)
         if c.requests_per_s == 0:
             return replace(at_means, requests_per_s=0.0)
         seconds_per_request += len(members) / len(order) / c.requests_per_s
