@@ -12,7 +12,8 @@ prefill and no prediction error: an ideal instance. Pace rules:
 - known-length: the least of bank / remaining output, every length known: a clairvoyant pace, none missing;
 - tenth-bank: the tenth-percentile bank over the mean output: the residents below it may miss.
 A tier's batch is the one its capacity takes at that pace (`tier_capacity`'s pace_premium), found by taking premium
-and batch in turn from the TPOT's until the batches stop moving. The every-tier bound recomputed with each tier's
+and batch in turn, from the every-tier bound's batches, until the batches stop moving (a tier with no request in the
+mix takes none). The every-tier bound recomputed with each tier's
 allowance at TPOT x (1 + premium) (`fluid_bound`'s pace_premium) is then a reference for a policy that shares one
 pace per instance. Not a bound: a policy could sort requests by predicted length, or move them between instances.
 
@@ -89,33 +90,41 @@ def shared_pace(outputs: np.ndarray, tpot_ms: float, ttft_ms: float, first_token
 @dataclass(slots=True, frozen=True)
 class SharedPaceReference:
     rule: str
-    batches: dict[str, int]  # per tier: the batch its capacity takes at its premium
-    outcomes: dict[str, PaceOutcome]  # per tier, at that batch
+    batches: dict[str, int]  # per tier with requests: the batch its capacity takes at its premium
+    outcomes: dict[str, PaceOutcome]  # per tier with requests, at that batch
     rate_per_instance: float  # requests per second one instance carries for the mix (the reference's slope)
 
 
 def shared_pace_reference(setup: Setup, rule: str, first_token_ms: float, steps: int = 20_000,
                           seed: int = 0) -> SharedPaceReference:
     """Each tier's premium under `rule` at the batch that premium lets it take, and the every-tier bound's
-    computation with those premiums (module doc)."""
+    computation with those premiums (module doc). A ValueError names a tier that no batch serves at its premium."""
     sample = setup.bound_sample()
-    tiers = list(sample.tiers)
-    premiums = {t.name: 0.0 for t in tiers}
+    outputs = {t.name: sample.output_lens[sample.tier_index == k] for k, t in enumerate(sample.tiers)}
+    tiers = [t for t in sample.tiers if len(outputs[t.name])]
+    premiums = dict.fromkeys(outputs, 0.0)  # a tier with no request costs nothing at any premium
+    bound = setup.bound(EVERY_TIER)
     batches: dict[str, int] | None = None
     outcomes: dict[str, PaceOutcome] = {}
     for _ in range(MAX_ROUNDS):
-        bound = setup.bound(EVERY_TIER, pace_premium=premiums)
-        now = {c.tier: c.batch for c in bound.tiers}
+        now = {c.tier: c.batch for c in bound.tiers if c.tier in outputs and len(outputs[c.tier])}
         if now == batches:
             break
         batches = now
-        outcomes = {t.name: shared_pace(sample.output_lens[sample.tier_index == k], t.tpot_ms, t.ttft_ms,
-                                        first_token_ms, max(batches[t.name], 1), rule, steps, seed)
-                    for k, t in enumerate(tiers)}
-        premiums = {name: o.premium for name, o in outcomes.items()}
+        outcomes = {t.name: shared_pace(outputs[t.name], t.tpot_ms, t.ttft_ms, first_token_ms,
+                                        max(batches[t.name], 1), rule, steps, seed) for t in tiers}
+        premiums.update((name, o.premium) for name, o in outcomes.items())
+        try:
+            bound = setup.bound(EVERY_TIER, pace_premium=premiums)
+        except ValueError as e:
+            raise ValueError(f"{rule}: at premiums {_percents(premiums)}: {e}") from None
     else:
         raise RuntimeError(f"batches still moving after {MAX_ROUNDS} rounds: {batches}")
     return SharedPaceReference(rule, batches, outcomes, bound.rate(1))
+
+
+def _percents(premiums: dict[str, float]) -> str:
+    return ", ".join(f"{name} +{x:.1%}" for name, x in premiums.items())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,14 +140,24 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = [int(x) for x in args.instances.split(",")]
     setup = Setup(workload_spec(args.workload), None, 8.0, 12.0, args.prediction_error)
     bound = setup.bound(EVERY_TIER).rate(1)
-    tpot_pace = setup.bound(EVERY_TIER, pace_premium={t.name: 0.0 for t in setup.bound_sample().tiers}).rate(1)
     print(f"{args.workload}, {args.prediction_error} step time, first token {args.first_token_ms:g} ms after arrival")
     print("every-tier bound: " + ", ".join(f"{n}: {bound * n:.1f}" for n in sizes) + " req/s")
-    print("at the TPOT's pace: " + ", ".join(f"{n}: {tpot_pace * n:.1f} ({tpot_pace / bound:.1%})" for n in sizes))
     report = {"workload": args.workload, "first_token_ms": args.first_token_ms, "bound_per_instance": bound,
-              "tpot_pace_per_instance": tpot_pace, "rules": {}}
+              "tpot_pace_per_instance": None, "rules": {}}
+    try:
+        tpot_pace = setup.bound(EVERY_TIER, pace_premium={t.name: 0.0 for t in setup.bound_sample().tiers}).rate(1)
+    except ValueError as e:
+        print(f"at the TPOT's pace: none ({e})")
+    else:
+        report["tpot_pace_per_instance"] = tpot_pace
+        print("at the TPOT's pace: " + ", ".join(f"{n}: {tpot_pace * n:.1f} ({tpot_pace / bound:.1%})"
+                                                  for n in sizes))
     for rule in PACE_RULES:
-        ref = shared_pace_reference(setup, rule, args.first_token_ms, args.steps)
+        try:
+            ref = shared_pace_reference(setup, rule, args.first_token_ms, args.steps)
+        except ValueError as e:
+            print(f"{rule}: none ({e})")
+            continue
         tiers = ", ".join(f"{name} B {ref.batches[name]} +{o.premium:.1%} (missed {o.missed:.1%})"
                           for name, o in ref.outcomes.items())
         print(f"{rule}: {tiers}")

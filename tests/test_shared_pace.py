@@ -56,3 +56,11 @@ def test_the_reference_lies_between_the_tpot_pace_and_the_bound():
     assert all(0 < o.premium < 0.2 and o.missed == 0.0 for o in ref.outcomes.values())
     at_batches = setup.bound(EVERY_TIER, pace_premium={k: o.premium for k, o in ref.outcomes.items()})
     assert {c.tier: c.batch for c in at_batches.tiers} == ref.batches  # the premiums are those of the batches taken
+
+
+def test_a_tier_without_requests_takes_no_batch_and_a_tier_no_batch_serves_is_named():
+    three = shared_pace_reference(Setup(workload_spec("conv-3tier"), None, 8.0, 12.0), "least-bank", 60.0, steps=2000)
+    assert set(three.batches) == set(three.outcomes) == {"tight", "relaxed", "loose"}  # no snug request in its mix
+    # the code trace's tight prompts, folded into the steps, fit no batch at the pace a shared bank affords
+    with pytest.raises(ValueError, match="tier tight: no batch"):
+        shared_pace_reference(Setup(workload_spec("code-4tier"), None, 8.0, 12.0), "least-bank", 60.0, steps=2000)
