@@ -31,7 +31,7 @@ from cluster.sim.goodput import EVERY_TIER
 from cluster.sim.workload import workload_spec
 
 PACE_RULES = ("least-bank", "known-length", "tenth-bank")
-MAX_ROUNDS = 8  # premium and batch taken in turn; they settle in two or three
+MAX_ROUNDS = 8  # premium and batch taken in turn settle within a few rounds (a premium falls as the batch grows)
 
 
 @dataclass(slots=True, frozen=True)
