@@ -175,9 +175,8 @@ class Setup:
 
     def bound_sample(self) -> Workload:
         """The requests a bound is computed on: a long Poisson sample of this setup's tier mix and lengths, its
-        phase change half way through."""
-        return build_setup(self).workloads.poisson(200.0, 200.0, seed=0,
-                                                   phase_change_at=self.workload.phase_change_at((0.0, 200.0)))
+        phase change half way through (drawn once per workload and latency profile: every bound of them reads it)."""
+        return _bound_sample(self.workload, self.latency_profile)
 
 
 @dataclass(slots=True, frozen=True)
@@ -200,6 +199,12 @@ def _built(workload: WorkloadSpec, latency_profile: str | None) -> BuiltSetup:
     model = ProfileTable.load(latency_profile) if latency_profile else emulated_latency_model()
     tiers, workloads = _workloads(workload, model, SimConfig())
     return BuiltSetup(model, tiers, workloads)
+
+
+@functools.cache
+def _bound_sample(workload: WorkloadSpec, latency_profile: str | None) -> Workload:
+    return _built(workload, latency_profile).workloads.poisson(200.0, 200.0, seed=0,
+                                                               phase_change_at=workload.phase_change_at((0.0, 200.0)))
 
 
 def _workloads(workload: WorkloadSpec, model: LatencyModel, config: SimConfig) -> tuple[TierSet, WorkloadFactory]:

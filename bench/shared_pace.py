@@ -102,12 +102,13 @@ def shared_pace_reference(setup: Setup, rule: str, first_token_ms: float, steps:
     sample = setup.bound_sample()
     outputs = {t.name: sample.output_lens[sample.tier_index == k] for k, t in enumerate(sample.tiers)}
     tiers = [t for t in sample.tiers if len(outputs[t.name])]
+    served = {t.name for t in tiers}
     premiums = dict.fromkeys(outputs, 0.0)  # a tier with no request costs nothing at any premium
     bound = setup.bound(EVERY_TIER)
     batches: dict[str, int] | None = None
     outcomes: dict[str, PaceOutcome] = {}
     for _ in range(MAX_ROUNDS):
-        now = {c.tier: c.batch for c in bound.tiers if c.tier in outputs and len(outputs[c.tier])}
+        now = {c.tier: c.batch for c in bound.tiers if c.tier in served}
         if now == batches:
             break
         batches = now

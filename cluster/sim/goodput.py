@@ -146,9 +146,9 @@ def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int
         raise ValueError("the workload has no admissible request")
     tiers = workload.tiers
     prefill_s = None if prefill_chunk is None else prefill_seconds_per_token(model, prefill_chunk)
-    if pace_premium is not None and {t.name for t in tiers} - pace_premium.keys():
-        raise ValueError(f"pace_premium names no premium for tiers "
-                         f"{sorted({t.name for t in tiers} - pace_premium.keys())}")
+    missing = set() if pace_premium is None else {t.name for t in tiers} - pace_premium.keys()
+    if missing:
+        raise ValueError(f"pace_premium names no premium for tiers {sorted(missing)}")
     premiums = [None if pace_premium is None else pace_premium[t.name] for t in tiers]
     masks = [workload.tier_index == k for k in range(len(tiers))]
     full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s, premium)
