@@ -1349,11 +1349,12 @@ def plot_ratio_heatmap(matrix: dict, path: Path) -> None:
 
 def plot_tier_attainment(matrix: dict, path: Path) -> None:
     """Each tier's attainment at each policy's headline goodput, under the three views: conv-4tier (else the first
-    workload) at the largest fleet every policy ran."""
+    workload) at the largest fleet every policy ran (of those done so far, in a report checkpointed part way)."""
     plt = _plt()
     names = [w["name"] for w in matrix["workloads"]]
     workload = REFERENCE_WORKLOAD if REFERENCE_WORKLOAD in names else names[0]
-    fleet = max(matrix["fleets"])
+    fleet = max(c["num_instances"] for c in matrix["cells"]
+                if c["workload"] == workload and c["num_instances"] in matrix["fleets"])
     cells = [c for c in matrix["cells"] if c["workload"] == workload and c["num_instances"] == fleet]
     tiers = list(dict.fromkeys(t for c in cells if c["at_headline"] for t in c["at_headline"]["attainment"]["cumulative"]))
     fig, axes = plt.subplots(len(VIEWS), 1, figsize=(max(8.0, 1.3 * len(cells)), 2.8 * len(VIEWS)), sharex=True)

@@ -1,4 +1,5 @@
-"""A goodput matrix stopped part way and resumed gives what the whole run gives, running only what was left."""
+"""A goodput matrix stopped part way and resumed gives what the whole run gives, running only what was left; the
+report checkpointed part way is plotted."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from bench.goodput import JobProgress, make_plan, matrix_workloads, parse_args, run_matrix
+from bench.goodput import JobProgress, make_plan, matrix_report, matrix_workloads, parse_args, run_matrix, write_plots
 from cluster.sim.workload import workload_spec
 
 WORKLOAD = "conv-2tier"
@@ -19,9 +20,9 @@ def _plan():
     return replace(make_plan(args), warmup_s=2.0, window_s=2.0, window_instance_s=0.0)
 
 
-def _run(plan, progress: JobProgress) -> list[dict]:
+def _run(plan, progress: JobProgress, checkpoint=lambda workloads, cells: None) -> list[dict]:
     workloads = matrix_workloads([workload_spec(WORKLOAD)], plan, None, "exact")
-    cells, sweep = run_matrix(None, plan, workloads, None, lambda cells, sweep: None, progress)
+    cells, sweep = run_matrix(None, plan, workloads, None, lambda cells, sweep: checkpoint(workloads, cells), progress)
     assert sweep == []
     return cells
 
@@ -67,3 +68,19 @@ def test_progress_of_another_plan_is_not_resumed(tmp_path):
         JobProgress.open(path, {"plan": asdict(plan)}, resume=True)
     # without resume it starts afresh whatever the file holds
     assert JobProgress.open(path, {"plan": asdict(plan)}, resume=False).results == {}
+
+
+def test_a_report_checkpointed_before_the_largest_fleet_ran_is_plotted(tmp_path):
+    plan = _plan()
+    plotted = []
+
+    def checkpoint(workloads, cells):
+        out = tmp_path / f"round{len(plotted)}"
+        report = {"matrix": matrix_report(workloads, cells, [], plan, "exact", None)}
+        write_plots(report, out)
+        plotted.append((sorted({c["num_instances"] for c in cells}), sorted(p.name for p in out.iterdir())))
+
+    _run(plan, JobProgress.open(tmp_path / "progress.json", {"plan": asdict(plan)}, resume=False), checkpoint)
+    figures = ["goodput_ratio_heatmap.png", "tier_attainment_at_goodput.png"]
+    assert plotted == [([2], figures), ([2, 4], figures)]  # the first after the smaller fleet alone
+    assert all((tmp_path / "round0" / name).read_bytes().startswith(b"\x89PNG") for name in figures)
