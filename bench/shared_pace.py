@@ -12,8 +12,8 @@ prefill and no prediction error: an ideal instance. Pace rules:
 - known-length: the least of bank / remaining output, every length known: a clairvoyant pace, none missing;
 - tenth-bank: the tenth-percentile bank over the mean output: the residents below it may miss.
 A tier's batch is the one its capacity takes at that pace (`tier_capacity`'s pace_premium), found by taking premium
-and batch in turn, from the every-tier bound's batches, until the batches stop moving (a tier with no request in the
-mix takes none). The every-tier bound recomputed with each tier's
+and batch in turn, from the every-tier bound's batches, until the batches stop moving or come back to an earlier
+round's (a tier with no request in the mix takes none). The every-tier bound recomputed with each tier's
 allowance at TPOT x (1 + premium) (`fluid_bound`'s pace_premium) is then a reference for a policy that shares one
 pace per instance. Not a bound: a policy could sort requests by predicted length, or move them between instances.
 
@@ -105,12 +105,14 @@ def shared_pace_reference(setup: Setup, rule: str, first_token_ms: float, steps:
     served = {t.name for t in tiers}
     premiums = dict.fromkeys(outputs, 0.0)  # a tier with no request costs nothing at any premium
     bound = setup.bound(EVERY_TIER)
-    batches: dict[str, int] | None = None
+    batches: dict[str, int] = {}
+    seen: list[dict[str, int]] = []
     outcomes: dict[str, PaceOutcome] = {}
     for _ in range(MAX_ROUNDS):
         now = {c.tier: c.batch for c in bound.tiers if c.tier in served}
-        if now == batches:
+        if now in seen:  # settled, or swinging between batches one apart, where the premiums barely differ
             break
+        seen.append(now)
         batches = now
         outcomes = {t.name: shared_pace(outputs[t.name], t.tpot_ms, t.ttft_ms, first_token_ms,
                                         max(batches[t.name], 1), rule, steps, seed) for t in tiers}

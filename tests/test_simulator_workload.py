@@ -223,6 +223,22 @@ def test_a_rule_that_lets_requests_miss_is_bounded_without_its_costliest():
     assert fluid_bound(m, w, 10**9, 10_000, STRICT).rate(8) == pytest.approx(full.rate(8))
 
 
+def test_a_rule_that_lets_requests_miss_drops_those_whose_drop_leaves_least_time():
+    """A long prompt's marginal prefill is cheap here, but its KV weighs on every iteration of its class: the bound
+    drops it rather than the request costliest by its marginal time at the tier's batch (the longest output)."""
+    m = LinearModel(a=0.004, b=1e-6, c=1e-5, e=1e-7)
+    tiers = TierSet([Tier("a", 20.0, 20.0)])
+    prompts = np.array([500] * 8 + [20_000, 500], np.int64)
+    outputs = np.array([100] * 8 + [100, 400], np.int64)
+    w = Workload(np.arange(10.0), prompts, outputs, np.zeros(10, np.int8), tiers)
+    every = fluid_bound(m, w, 10**9, 10_000, EVERY_TIER)
+    assert every.tiers[0].mean_prompt == 500.0 and every.tiers[0].mean_output == pytest.approx(1200 / 9)
+    # the drop of the longest output, as the bound took it before: the same rate computed with that one refused
+    without_longest_output = Workload(np.arange(10.0), prompts, outputs, np.array([0] * 9 + [REFUSED], np.int8), tiers)
+    other = fluid_bound(m, without_longest_output, 10**9, 10_000).rate(1) * 10 / 9
+    assert every.rate(1) > 1.5 * other
+
+
 def test_rules_score_the_worst_tier_or_the_pool():
     tiers = {"a": 0.95, "b": 0.85}
     assert EVERY_TIER.score(0.93, tiers) == 0.85 and not EVERY_TIER.passes(0.85)

@@ -17,8 +17,13 @@ harmonic mean of its classes' (each weighted by its share of the tier's requests
 then serve at most lambda* = N / sum_k (p_k / capacity_k) requests per second. On the tier's mean lengths alone it
 is not a bound: a fleet serves short outputs at the large batches their longer allowance permits. A rule that lets
 a share of requests miss is bounded by the same computation on the requests it must serve: those left after dropping
-the costliest share (instance time of each request at its tier's batch: its decode iterations' share plus its
-prompt's prefill time), per tier for every-tier, from all tiers together for strict.
+the share whose drop leaves the least instance time, per tier for every-tier, from all tiers together for strict.
+The drop is the best of several orders, costliest first: each request's instance time at its tier's batch (its
+decode iterations' share plus its prompt's marginal prefill time), and prompt plus a multiple of output length
+(DROP_OUTPUT_WEIGHTS). By its marginal time alone a long prompt looks cheap, but dropping the longest prompts lowers
+every iteration's prefill and KV at the classes' means and so raises their batches: that drop leaves several per
+cent less instance time on the conversation trace than the costliest by marginal time. The best of all subsets is
+not searched, so the bound is only as high as the best of these orders (bench/RESULTS.md).
 
 Disaggregated (PD) fleets are bounded the same way with the two stages apart (`fluid_bound`'s `prefill_chunk`): a
 request's prompt takes prefill instance time at the best per-token cost of a prompt-only step (a chunk of at most
@@ -65,6 +70,11 @@ RULES = {r.name: r for r in (EVERY_TIER, STRICT)}
 # Output-length classes per tier in the bounds: finer classes give a lower (tighter) bound, which has stopped
 # moving by this many on the matrix's workloads (bench/RESULTS.md).
 LENGTH_CLASSES = 40
+# The orders a rule that lets a share of requests miss may drop them in, besides their cost at the tier's batch
+# (`_request_costs`): by prompt plus this many times the output, longest first (inf: the output alone). A long prompt
+# costs more than its marginal prefill: it raises every iteration's prefill and KV at the class's mean, and so lowers
+# the batch the allowance takes.
+DROP_OUTPUT_WEIGHTS = (0.0, 1.0, 2.0, 4.0, 8.0, math.inf)
 
 
 @dataclass(slots=True, frozen=True)
@@ -151,13 +161,16 @@ def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int
         raise ValueError(f"pace_premium names no premium for tiers {sorted(missing)}")
     premiums = [None if pace_premium is None else pace_premium[t.name] for t in tiers]
     masks = [workload.tier_index == k for k in range(len(tiers))]
-    full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s, premium)
-            for tier, mask, premium in zip(tiers, masks, premiums)]
+
+    def capacities(kept: list[np.ndarray]) -> list[TierCapacity]:
+        return [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s, premium)
+                for tier, mask, premium in zip(tiers, kept, premiums)]
+
+    full = capacities(masks)
     if rule is not None and rule.target < 1.0:
-        keep = _costliest_dropped(model, workload, masks, full, 1.0 - rule.target, rule.per_tier, prefill_s)
-        masks = [m & keep for m in masks]
-        full = [_capacity(model, tier, workload, mask, kv_capacity_tokens, max_batch, prefill_s, premium)
-                for tier, mask, premium in zip(tiers, masks, premiums)]
+        masks, full = _least_time_kept(workload, masks, capacities,
+                                       _request_costs(model, workload, masks, full, prefill_s),
+                                       1.0 - rule.target, rule.per_tier, total)
     shares = tuple(int(m.sum()) / total for m in masks)
     for p, c in zip(shares, full):
         if p > 0 and c.requests_per_s == 0:
@@ -196,13 +209,11 @@ def _capacity(model: LatencyModel, tier, workload: Workload, mask: np.ndarray, k
     return replace(at_means, requests_per_s=1.0 / seconds_per_request)
 
 
-def _costliest_dropped(model: LatencyModel, workload: Workload, masks: list[np.ndarray],
-                       capacities: list[TierCapacity], share: float, per_tier: bool,
-                       prefill_s: float | None = None) -> np.ndarray:
-    """The requests left once the costliest `share` are dropped, of each tier or of all together. A request's cost
-    is the instance time it takes at its tier's batch: D * T(B) / B for its decode iterations, plus its prompt's
+def _request_costs(model: LatencyModel, workload: Workload, masks: list[np.ndarray],
+                   capacities: list[TierCapacity], prefill_s: float | None = None) -> np.ndarray:
+    """Each request's instance time at its tier's batch: D * T(B) / B for its decode iterations, plus its prompt's
     prefill at the marginal prefill time per token beside that batch; with `prefill_s`, a PD fleet's: D - 1
-    iterations, and the prompt at `prefill_s` per token on a prefill instance."""
+    iterations, and the prompt at `prefill_s` per token on a prefill instance (-inf outside the tiers)."""
     cost = np.full(len(workload), -np.inf)
     for mask, c in zip(masks, capacities):
         if prefill_s is not None:
@@ -215,14 +226,36 @@ def _costliest_dropped(model: LatencyModel, workload: Workload, masks: list[np.n
         base = round(c.batch * c.mean_prompt / c.mean_output)
         per_prompt_token = (model.predict(base + 1024, c.batch, kv + 1024) - model.predict(base, c.batch, kv)) / 1024
         cost[mask] = workload.output_lens[mask] * (c.iteration_s / c.batch) + workload.prompt_lens[mask] * per_prompt_token
-    keep = workload.tier_index >= 0
-    groups = masks if per_tier else [keep]
-    for group in groups:
-        idx = np.flatnonzero(group)
-        n_drop = math.floor(share * len(idx) + 1e-9)
-        if n_drop:
-            keep[idx[np.argsort(cost[idx], kind="stable")[len(idx) - n_drop:]]] = False
-    return keep
+    return cost
+
+
+def _least_time_kept(workload: Workload, masks: list[np.ndarray],
+                     capacities: Callable[[list[np.ndarray]], list[TierCapacity]], costs: np.ndarray, share: float,
+                     per_tier: bool, total: int) -> tuple[list[np.ndarray], list[TierCapacity]]:
+    """Each tier's requests left once `share` are dropped, of each tier or of all together, and the tiers'
+    capacities on them: the drop, costliest first by `costs` or by an order of DROP_OUTPUT_WEIGHTS, that leaves the
+    least instance time per admitted request (each tier's own for every-tier, the fleet's for strict)."""
+    prompts, outputs = workload.prompt_lens.astype(float), workload.output_lens.astype(float)
+    keys = [costs] + [outputs if math.isinf(w) else prompts + w * outputs for w in DROP_OUTPUT_WEIGHTS]
+    admitted = workload.tier_index >= 0
+    tried = []
+    for key in keys:
+        keep = admitted.copy()
+        for group in masks if per_tier else [admitted]:
+            idx = np.flatnonzero(group)
+            n_drop = math.floor(share * len(idx) + 1e-9)
+            if n_drop:
+                keep[idx[np.argsort(key[idx], kind="stable")[len(idx) - n_drop:]]] = False
+        kept = [m & keep for m in masks]
+        caps = capacities(kept)
+        load = [int(m.sum()) / total / c.requests_per_s if c.requests_per_s > 0 else
+                (0.0 if not m.any() else math.inf) for m, c in zip(kept, caps)]
+        tried.append((kept, caps, load))
+    if not per_tier:
+        kept, caps, _ = min(tried, key=lambda t: sum(t[2]))
+        return kept, caps
+    best = [min(tried, key=lambda t: t[2][k]) for k in range(len(masks))]
+    return [b[0][k] for k, b in enumerate(best)], [b[1][k] for k, b in enumerate(best)]
 
 
 # ---- searches -------------------------------------------------------------------------------------------------
