@@ -9,15 +9,22 @@ matrix, with the step time exact and with the gpu-typical prediction error, unde
 failures are the bound's doing and not a broken run, PolyServe passing both rules at a fraction of the bound
 (gpu-typical). The strongest baselines (mixed-deadline, mixed-deadline-admission), further below the bound on every
 workload of the matrix, on the 4-tier conversation workload only, gpu-typical, under the
-headline rule.
+headline rule. And, in the fluid computation itself, that the requests each rule lets miss, dropped in orders the
+bound does not try, leave no more than the bound.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
-from bench.goodput import Setup, _score
-from cluster.sim.goodput import EVERY_TIER, STRICT
-from cluster.sim.workload import MATRIX_WORKLOADS, workload_spec
+from bench.goodput import Setup, _score, build_setup
+from cluster.sim.goodput import EVERY_TIER, STRICT, fluid_bound
+from cluster.sim.simulator import SimConfig
+from cluster.sim.workload import MATRIX_WORKLOADS, REFUSED, workload_spec
+from scheduler.prediction_error import expected_latency_model
 
 INSTANCES = 4
 WARMUP_S, WINDOW_S = 20.0, 10.0
@@ -59,3 +66,43 @@ def test_polyserve_pd_fails_at_the_disaggregated_bound(prefill_instances):
         score = _score(setup, "polyserve", INSTANCES, 0, EVERY_TIER.name, share * bound, seed=1,
                        prefill_instances=prefill_instances)
         assert EVERY_TIER.passes(score) == (share < 1.0), f"{prefill_instances}p: {score:.3f} at {share * bound:.1f}"
+
+
+
+def _rate_with_drop(setup: Setup, rule, key: np.ndarray, instances: int) -> float:
+    """What the fluid computation of the bounds serves of all admitted requests when those `rule` lets miss are the
+    first in descending `key`, each tier's own tenth (every-tier) or the pool's hundredth (strict): they are taken
+    as refused, the rest bounded as all attaining, and the rate counts them all."""
+    sample = setup.bound_sample()
+    tier_index = sample.tier_index.copy()
+    admitted = tier_index >= 0
+    for group in [tier_index == k for k in range(len(sample.tiers))] if rule.per_tier else [admitted]:
+        idx = np.flatnonzero(group)
+        drop = math.floor((1.0 - rule.target) * len(idx) + 1e-9)
+        tier_index[idx[np.argsort(key[idx], kind="stable")[len(idx) - drop:]]] = REFUSED
+    config = SimConfig()
+    served = fluid_bound(expected_latency_model(build_setup(setup).model, setup.error),
+                         replace(sample, tier_index=tier_index), config.kv_blocks * config.block_size,
+                         config.max_num_seqs)
+    return served.rate(instances) * int(admitted.sum()) / int((tier_index >= 0).sum())
+
+
+@pytest.mark.parametrize("workload", ["conv-4tier", "code-4tier"])
+def test_no_order_of_dropping_serves_more_than_the_bound(workload):
+    """The requests a rule lets miss, chosen in orders the bound does not try itself (and, for strict, all from
+    the tightest tier), leave no more capacity than the rule's bound: dropping the longest prompts beat it once."""
+    setup = Setup(workload_spec(workload), None, WARMUP_S, WINDOW_S, "gpu-typical")
+    sample = setup.bound_sample()
+    prompts, outputs = sample.prompt_lens.astype(float), sample.output_lens.astype(float)
+    orders = {"random": np.random.default_rng(0).random(len(prompts)), "prompt x output": prompts * outputs,
+              "prompt + 3 output": prompts + 3 * outputs, "prompt + 6 output": prompts + 6 * outputs,
+              "prompt^2 + output": prompts ** 2 + outputs}
+    tightest = sample.tier_index == 0
+    for rule in RULES:
+        bound = setup.bound(rule).rate(64)
+        keys = dict(orders)
+        if not rule.per_tier:
+            keys["tightest tier's prompt + 4 output"] = np.where(tightest, prompts + 4 * outputs, -np.inf)
+        for name, key in keys.items():
+            served = _rate_with_drop(setup, rule, key, 64)
+            assert served <= bound * (1 + 1e-9), f"{rule.name}: dropping by {name} serves {served:.1f} > {bound:.1f}"

@@ -15,15 +15,16 @@ any of its requests may spend), and a class's B is the batch of the highest capa
 whose T(B) is within its allowance and whose KV fits the pool and the sequence cap. A tier's capacity is the
 harmonic mean of its classes' (each weighted by its share of the tier's requests). N instances carrying the mix p_k
 then serve at most lambda* = N / sum_k (p_k / capacity_k) requests per second. On the tier's mean lengths alone it
-is not a bound: a fleet serves short outputs at the large batches their longer allowance permits. A rule that lets
-a share of requests miss is bounded by the same computation on the requests it must serve: those left after dropping
+is not a bound: a fleet serves short outputs at the large batches their longer allowance permits. A rule that lets a
+share of requests miss is bounded by the same computation on the requests it must serve: those left after dropping
 the share whose drop leaves the least instance time, per tier for every-tier, from all tiers together for strict.
 The drop is the best of several orders, costliest first: each request's instance time at its tier's batch (its
 decode iterations' share plus its prompt's marginal prefill time), and prompt plus a multiple of output length
-(DROP_OUTPUT_WEIGHTS). By its marginal time alone a long prompt looks cheap, but dropping the longest prompts lowers
-every iteration's prefill and KV at the classes' means and so raises their batches: that drop leaves several per
-cent less instance time on the conversation trace than the costliest by marginal time. The best of all subsets is
-not searched, so the bound is only as high as the best of these orders (bench/RESULTS.md).
+(DROP_OUTPUT_WEIGHTS; for strict, each also weighed by what its units cost in each tier). By its marginal time alone
+a long prompt looks cheap, but dropping the longest prompts lowers every iteration's prefill and KV at the classes'
+means and so raises their batches: that drop leaves several per cent less instance time on the conversation trace
+than the costliest by marginal time. The best of all subsets is not searched, so the bound is only as high as the
+best of these orders (bench/RESULTS.md).
 
 Disaggregated (PD) fleets are bounded the same way with the two stages apart (`fluid_bound`'s `prefill_chunk`): a
 request's prompt takes prefill instance time at the best per-token cost of a prompt-only step (a chunk of at most
@@ -168,7 +169,7 @@ def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int
 
     full = capacities(masks)
     if rule is not None and rule.target < 1.0:
-        masks, full = _least_time_kept(workload, masks, capacities,
+        masks, full = _least_time_kept(workload, masks, full, capacities,
                                        _request_costs(model, workload, masks, full, prefill_s),
                                        1.0 - rule.target, rule.per_tier, total)
     shares = tuple(int(m.sum()) / total for m in masks)
@@ -229,14 +230,26 @@ def _request_costs(model: LatencyModel, workload: Workload, masks: list[np.ndarr
     return cost
 
 
-def _least_time_kept(workload: Workload, masks: list[np.ndarray],
+def _least_time_kept(workload: Workload, masks: list[np.ndarray], full: list[TierCapacity],
                      capacities: Callable[[list[np.ndarray]], list[TierCapacity]], costs: np.ndarray, share: float,
                      per_tier: bool, total: int) -> tuple[list[np.ndarray], list[TierCapacity]]:
     """Each tier's requests left once `share` are dropped, of each tier or of all together, and the tiers'
-    capacities on them: the drop, costliest first by `costs` or by an order of DROP_OUTPUT_WEIGHTS, that leaves the
-    least instance time per admitted request (each tier's own for every-tier, the fleet's for strict)."""
+    capacities on them (`full`: on all of them): the drop, costliest first by `costs` or by an order of
+    DROP_OUTPUT_WEIGHTS, that leaves the least instance time per admitted request (each tier's own for every-tier,
+    the fleet's for strict). Across tiers an order of lengths is tried as it is and weighed by what its units cost in
+    each tier (scaled so that a tier's keys add up to the tier's instance time): a tight tier's token costs more."""
     prompts, outputs = workload.prompt_lens.astype(float), workload.output_lens.astype(float)
-    keys = [costs] + [outputs if math.isinf(w) else prompts + w * outputs for w in DROP_OUTPUT_WEIGHTS]
+    keys = [outputs if math.isinf(w) else prompts + w * outputs for w in DROP_OUTPUT_WEIGHTS]
+    if not per_tier:
+        weighed = []
+        for key in keys:
+            key = key.copy()
+            for m, c in zip(masks, full):
+                if m.any() and c.requests_per_s > 0:
+                    key[m] *= int(m.sum()) / c.requests_per_s / key[m].sum()
+            weighed.append(key)
+        keys += weighed
+    keys.append(costs)
     admitted = workload.tier_index >= 0
     tried = []
     for key in keys:
