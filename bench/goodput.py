@@ -1368,7 +1368,7 @@ def plot_tier_attainment(matrix: dict, path: Path) -> None:
         ax.axhline(EVERY_TIER.target, color="grey", lw=0.8)
         ax.set_ylim(0, 1.02)
         ax.set_ylabel(f"attaining ({view.replace('_', ' ')})", fontsize=8)
-    axes[0].legend(fontsize=7, ncol=len(tiers), loc="lower right")
+    axes[0].legend(fontsize=7, ncol=len(tiers), loc="lower left", bbox_to_anchor=(0.0, 1.1), frameon=False)
     axes[-1].set_xticks(x, [f"{c['policy']}\n{c['headline']['goodput']:.0f} req/s" for c in cells], fontsize=7,
                         rotation=20)
     axes[0].set_title(f"{workload}, {fleet} instances: per-tier attainment at each policy's headline goodput "
