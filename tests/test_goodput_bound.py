@@ -68,7 +68,6 @@ def test_polyserve_pd_fails_at_the_disaggregated_bound(prefill_instances):
         assert EVERY_TIER.passes(score) == (share < 1.0), f"{prefill_instances}p: {score:.3f} at {share * bound:.1f}"
 
 
-
 def _rate_with_drop(setup: Setup, rule, key: np.ndarray, instances: int) -> float:
     """What the fluid computation of the bounds serves of all admitted requests when those `rule` lets miss are the
     first in descending `key`, each tier's own tenth (every-tier) or the pool's hundredth (strict): they are taken
