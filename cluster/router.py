@@ -332,18 +332,21 @@ class Router:
             self.model.observe(step)
         residents, end = view.residents, report.iteration_end
         headroom = None  # of the tier the instance is held to, the same for each of its residents
+        held = None
         for r in report.residents:
             req = residents.get(r.request_id)
             if req is not None:
                 out = r.num_output_tokens
                 if out > req.num_output_tokens:  # its newest token came out as the step ended
                     if req.num_output_tokens == 0 and not req.late:
-                        first_token = self.first_token_headroom[req.tier_index]
-                        first_token.missed() if end > req.first_token_due else first_token.attained()
+                        first_token, weight = self.first_token_headroom[req.tier_index], self._pooled(req.tier_index)
+                        first_token.missed(weight) if end > req.first_token_due else first_token.attained(weight)
                     if headroom is None:
-                        headroom = self.headroom[self._held_tier(view)]
+                        held = self._held_tier(view)
+                        headroom = self.headroom[held]
                     req.standing = headroom.note_token(req.standing, req.num_output_tokens == 0,
-                                                       end > req.first_token_due + (out - 1) * req.tpot_s)
+                                                       end > req.first_token_due + (out - 1) * req.tpot_s,
+                                                       self._pooled(held))
                 req.num_output_tokens = out
                 req.num_computed_tokens = min(r.num_computed_tokens, req.num_prompt_tokens + out)
         view.num_blocks_used = report.num_blocks_used
@@ -369,7 +372,8 @@ class Router:
         if completed:
             self.output_lengths.observe(req.tier, num_output_tokens)
             if view is not None:
-                self.headroom[self._held_to(view, req)].note_finished(req.standing)
+                held = self._held_to(view, req)
+                self.headroom[held].note_finished(req.standing, self._pooled(held))
         if view is not None:
             self._unseat(view, req, now)
 
@@ -778,6 +782,12 @@ class Router:
             summary.decode_chunk(self.model, self._budget_ms(self._held_tier(view)) / 1000.0, self.max_prefill_chunk)
         view.kv_tokens = summary.kv_residents
         self._update_load(view)
+
+    def _pooled(self, tier: int) -> float:
+        """The weight of one outcome in `tier`'s margins: one over the instances whose outcomes they pool
+        (scheduler/headroom.py): those held to the tier, or every serving one where tiers label none."""
+        pool = self.fleet.members[tier] if self.policy == "polyserve" else self.fleet.idle
+        return 1.0 / max(1, len(pool))
 
     def _budget_ms(self, tier: int) -> float:
         """The TPOT an instance held to `tier`'s is packed to: the tier's, less its headroom."""

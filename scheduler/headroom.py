@@ -10,6 +10,13 @@ time lowers it by `step * target / (1 - target)`. In
 equilibrium the increases and decreases balance exactly when a share `target` of requests miss, so the margin
 settles at the smallest headroom that holds the miss rate at `target` whatever the error's size: a stochastic
 approximation of the quantile the error calls for (Robbins-Monro), with no constant fitted to a workload.
+
+An outcome shows only a request's life after the placement it judges, so the loop reacts late; the more outcomes
+reach one margin per second, the further it overshoots in that time. An owner that pools the outcomes of many
+instances in one margin (the router, one per tier) weighs each by one over their number: the margin then moves per
+second as one instance's own would, and the loop's gain is the same at every fleet size (at full weight a tier of a
+few hundred instances swings from misses to refusals and back, below the rate that a smaller fleet holds per
+instance). The weights change how fast the margin moves, not where it settles.
 """
 from __future__ import annotations
 
@@ -48,31 +55,32 @@ class Headroom:
         if not 0 <= self.margin <= self.max_margin:
             raise ValueError(f"margin must lie in [0, max_margin], got {self.margin}")
 
-    def missed(self) -> None:
-        """A token after an on-time first one was late (counted once per request, when first seen late)."""
+    def missed(self, weight: float = 1.0) -> None:
+        """A token after an on-time first one was late (counted once per request, when first seen late); `weight`:
+        the outcome's share of a step (one over the instances whose outcomes this margin pools)."""
         self.num_missed += 1
-        self.margin = min(self.max_margin, self.margin + self.step)
+        self.margin = min(self.max_margin, self.margin + weight * self.step)
 
-    def attained(self) -> None:
+    def attained(self, weight: float = 1.0) -> None:
         """A request finished with every token on time."""
         self.num_attained += 1
-        self.margin = max(0.0, self.margin - self.step * self.target / (1.0 - self.target))
+        self.margin = max(0.0, self.margin - weight * self.step * self.target / (1.0 - self.target))
 
     def budget_ms(self, tpot_ms: float) -> float:
         """The TPOT to plan against."""
         return tpot_ms * (1.0 - self.margin)
 
-    def note_token(self, standing: int, first: bool, late: bool) -> int:
+    def note_token(self, standing: int, first: bool, late: bool, weight: float = 1.0) -> int:
         """A request in `standing` emitted a token (its `first`), on time or `late`: counts a miss of packing the
         first time one shows, and answers the request's new standing."""
         if standing != ON_TIME or not late:
             return standing
         if first:
             return LATE_START
-        self.missed()
+        self.missed(weight)
         return MISSED
 
-    def note_finished(self, standing: int) -> None:
+    def note_finished(self, standing: int, weight: float = 1.0) -> None:
         """A request ended with every token emitted (not aborted) in `standing`."""
         if standing == ON_TIME:
-            self.attained()
+            self.attained(weight)

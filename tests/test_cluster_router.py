@@ -472,6 +472,27 @@ def test_first_tokens_of_requests_placed_on_time_feed_their_tier_first_token_mar
     assert router.first_token_headroom[TIGHT].num_missed == router.first_token_headroom[BATCH].num_missed == 0
 
 
+def test_a_tier_margin_weighs_each_outcome_by_one_over_the_instances_it_pools():
+    """Both margins of a tier pool the outcomes of every instance held to it, each at one over their number: the
+    margin then moves per second as one instance's would, whatever the fleet's size (scheduler/headroom.py)."""
+    router = make_router()
+    ready(router, "a", capacity=1200)
+    (on_a,) = fill(router, "a", STD, 1)
+    ready(router, "b")
+    (on_b,) = fill(router, "b", STD, 1)  # a has no room left for a second prompt: the idle one joins std
+    assert len(router.fleet.members[STD]) == 2
+    packing, first_token = router.headroom[STD], router.first_token_headroom[STD]
+
+    def report(iid, t, req, n):
+        router.on_report(iid, InstanceReport(t, 0, [Resident(req.request_id, 1000, 1000 + n - 1, n)]), t)
+
+    report("a", 0.5, on_a, 1)  # first token due at 1.0 s: on time
+    report("a", 1.2, on_a, 2)  # the second was due at 1.05 s
+    assert packing.num_missed == 1 and packing.margin == pytest.approx(packing.step / 2)
+    report("b", 1.2, on_b, 1)  # late first token
+    assert first_token.num_missed == 1 and first_token.margin == pytest.approx(first_token.step / 2)
+
+
 @pytest.mark.parametrize("policy", ["polyserve", "least-loaded-admission"])
 def test_a_first_token_margin_asks_for_the_first_token_that_much_early_behind_the_same_queue(policy):
     """The margin moves the first token's due time, not the request's place in the instance's prefill queue: the
