@@ -51,6 +51,10 @@ from scheduler.tiers import TierSet
 from scheduler.transfer import TransferModel
 from scheduler.types import StepStats
 
+# The most instances whose outcomes a margin takes at its full step: the largest tiers the step was measured on (those
+# of 64-instance fleets) hold fewer; a tier of a few hundred at full step swings from misses to refusals and back
+# (bench/RESULTS.md).
+POOLED_AT_FULL_STEP = 32
 POLICIES = ("polyserve", "random", "round-robin", "least-loaded", "least-loaded-admission", "lmetric")
 PROMOTIONS = ("lazy", "before-scale-up", "none", "eager")
 
@@ -784,10 +788,11 @@ class Router:
         self._update_load(view)
 
     def _pooled(self, tier: int) -> float:
-        """The weight of one outcome in `tier`'s margins: one over the instances whose outcomes they pool
-        (scheduler/headroom.py): those held to the tier, or every serving one where tiers label none."""
+        """The weight of one outcome in `tier`'s margins (scheduler/headroom.py): full while they pool the outcomes
+        of at most POOLED_AT_FULL_STEP instances (those held to the tier, or every serving one where tiers label
+        none), so that beyond it the margins move per second as fast as over that many, and no faster."""
         pool = self.fleet.members[tier] if self.policy == "polyserve" else self.fleet.idle
-        return 1.0 / max(1, len(pool))
+        return min(1.0, POOLED_AT_FULL_STEP / max(1, len(pool)))
 
     def _budget_ms(self, tier: int) -> float:
         """The TPOT an instance held to `tier`'s is packed to: the tier's, less its headroom."""

@@ -13,10 +13,10 @@ approximation of the quantile the error calls for (Robbins-Monro), with no const
 
 An outcome shows only a request's life after the placement it judges, so the loop reacts late; the more outcomes
 reach one margin per second, the further it overshoots in that time. An owner that pools the outcomes of many
-instances in one margin (the router, one per tier) weighs each by one over their number: the margin then moves per
-second as one instance's own would, and the loop's gain is the same at every fleet size (at full weight a tier of a
-few hundred instances swings from misses to refusals and back, below the rate that a smaller fleet holds per
-instance). The weights change how fast the margin moves, not where it settles.
+instances in one margin (the router, one per tier) weighs each by less than one once they are many: the margin then
+moves per second no faster than over the pool the step was measured on, and the loop's gain stops growing with the
+fleet (at full weight a tier of a few hundred instances swings from misses to refusals and back, below the rate that
+a smaller fleet holds per instance). The weights change how fast the margin moves, not where it settles.
 """
 from __future__ import annotations
 

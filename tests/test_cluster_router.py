@@ -14,7 +14,7 @@ import pytest
 from cluster.autoscaler import Autoscaler, ScalePlan, ScalingLimits
 from cluster.fleet import InstanceStatus, RoutedRequest
 from cluster.protocol import Resident
-from cluster.router import How, InstanceReport, Outcome, Router
+from cluster.router import POOLED_AT_FULL_STEP, How, InstanceReport, Outcome, Router
 from scheduler.attainability import AttainabilityChecker, Rejection
 from scheduler.chunking import largest_chunk
 from scheduler.instance_state import InstanceState, ResidentSummary
@@ -472,25 +472,32 @@ def test_first_tokens_of_requests_placed_on_time_feed_their_tier_first_token_mar
     assert router.first_token_headroom[TIGHT].num_missed == router.first_token_headroom[BATCH].num_missed == 0
 
 
-def test_a_tier_margin_weighs_each_outcome_by_one_over_the_instances_it_pools():
-    """Both margins of a tier pool the outcomes of every instance held to it, each at one over their number: the
-    margin then moves per second as one instance's would, whatever the fleet's size (scheduler/headroom.py)."""
-    router = make_router()
-    ready(router, "a", capacity=1200)
-    (on_a,) = fill(router, "a", STD, 1)
-    ready(router, "b")
-    (on_b,) = fill(router, "b", STD, 1)  # a has no room left for a second prompt: the idle one joins std
-    assert len(router.fleet.members[STD]) == 2
+def test_a_tier_margin_pooling_more_instances_than_its_full_step_allows_weighs_each_outcome_down():
+    """Both margins of a tier pool the outcomes of every instance held to it; past POOLED_AT_FULL_STEP instances
+    each outcome moves them by a step scaled down so that they move per second no faster than over that many
+    (scheduler/headroom.py), and below it by a whole step."""
+    n = POOLED_AT_FULL_STEP + 8
+    router = make_router(max_instances=2 * n)
+    ids = [f"i{k}" for k in range(n)]
+    ready(router, *ids, capacity=1200)
+    reqs = [fill(router, iid, STD, 1)[0] for iid in ids]  # no room for a second prompt: each takes the next idle one
+    assert len(router.fleet.members[STD]) == n
     packing, first_token = router.headroom[STD], router.first_token_headroom[STD]
+    weight = POOLED_AT_FULL_STEP / n
 
-    def report(iid, t, req, n):
-        router.on_report(iid, InstanceReport(t, 0, [Resident(req.request_id, 1000, 1000 + n - 1, n)]), t)
+    def report(iid, t, req, tokens):
+        router.on_report(iid, InstanceReport(t, 0, [Resident(req.request_id, 1000, 1000 + tokens - 1, tokens)]), t)
 
-    report("a", 0.5, on_a, 1)  # first token due at 1.0 s: on time
-    report("a", 1.2, on_a, 2)  # the second was due at 1.05 s
-    assert packing.num_missed == 1 and packing.margin == pytest.approx(packing.step / 2)
-    report("b", 1.2, on_b, 1)  # late first token
-    assert first_token.num_missed == 1 and first_token.margin == pytest.approx(first_token.step / 2)
+    report("i0", 0.5, reqs[0], 1)  # first token due at 1.0 s: on time
+    report("i0", 1.2, reqs[0], 2)  # the second was due at 1.05 s
+    assert packing.num_missed == 1 and packing.margin == pytest.approx(weight * packing.step)
+    report("i1", 1.2, reqs[1], 1)  # late first token
+    assert first_token.num_missed == 1 and first_token.margin == pytest.approx(weight * first_token.step)
+    tight = [f"t{k}" for k in range(2)]
+    ready(router, *tight)
+    (on_tight,) = fill(router, "t0", TIGHT, 1)
+    report("t0", 0.7, on_tight, 1)  # first token due at 0.5 s: a whole step in a tier of one
+    assert router.first_token_headroom[TIGHT].margin == pytest.approx(first_token.step)
 
 
 @pytest.mark.parametrize("policy", ["polyserve", "least-loaded-admission"])
