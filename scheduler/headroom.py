@@ -57,7 +57,7 @@ class Headroom:
 
     def missed(self, weight: float = 1.0) -> None:
         """A token after an on-time first one was late (counted once per request, when first seen late); `weight`:
-        the outcome's share of a step (one over the instances whose outcomes this margin pools)."""
+        the outcome's share of a step (under one where the margin pools the outcomes of many instances)."""
         self.num_missed += 1
         self.margin = min(self.max_margin, self.margin + weight * self.step)
 
