@@ -335,22 +335,25 @@ class Router:
         for step in report.steps:
             self.model.observe(step)
         residents, end = view.residents, report.iteration_end
-        headroom = None  # of the tier the instance is held to, the same for each of its residents
-        held = None
+        # of the tier the instance is held to, the same for each of its residents, and an outcome's weight there
+        headroom, weight = None, 1.0
         for r in report.residents:
             req = residents.get(r.request_id)
             if req is not None:
                 out = r.num_output_tokens
                 if out > req.num_output_tokens:  # its newest token came out as the step ended
                     if req.num_output_tokens == 0 and not req.late:
-                        first_token, weight = self.first_token_headroom[req.tier_index], self._pooled(req.tier_index)
-                        first_token.missed(weight) if end > req.first_token_due else first_token.attained(weight)
+                        first_token, first_weight = (self.first_token_headroom[req.tier_index],
+                                                     self._pooled(req.tier_index))
+                        if end > req.first_token_due:
+                            first_token.missed(first_weight)
+                        else:
+                            first_token.attained(first_weight)
                     if headroom is None:
                         held = self._held_tier(view)
-                        headroom = self.headroom[held]
+                        headroom, weight = self.headroom[held], self._pooled(held)
                     req.standing = headroom.note_token(req.standing, req.num_output_tokens == 0,
-                                                       end > req.first_token_due + (out - 1) * req.tpot_s,
-                                                       self._pooled(held))
+                                                       end > req.first_token_due + (out - 1) * req.tpot_s, weight)
                 req.num_output_tokens = out
                 req.num_computed_tokens = min(r.num_computed_tokens, req.num_prompt_tokens + out)
         view.num_blocks_used = report.num_blocks_used

@@ -493,8 +493,7 @@ def test_a_tier_margin_pooling_more_instances_than_its_full_step_allows_weighs_e
     assert packing.num_missed == 1 and packing.margin == pytest.approx(weight * packing.step)
     report("i1", 1.2, reqs[1], 1)  # late first token
     assert first_token.num_missed == 1 and first_token.margin == pytest.approx(weight * first_token.step)
-    tight = [f"t{k}" for k in range(2)]
-    ready(router, *tight)
+    ready(router, "t0")
     (on_tight,) = fill(router, "t0", TIGHT, 1)
     report("t0", 0.7, on_tight, 1)  # first token due at 0.5 s: a whole step in a tier of one
     assert router.first_token_headroom[TIGHT].margin == pytest.approx(first_token.step)
