@@ -468,6 +468,38 @@ def test_the_router_fills_the_least_queued_prefill_instance_and_waits_for_the_tr
     assert router.hand_off(reqs["a"], 0.3).instance_id == "d" and reqs["a"].late
 
 
+def test_a_prompt_the_prefill_pool_cannot_take_runs_whole_only_on_a_decode_instance_already_in_a_tier():
+    """PolyServe's convertible decode instances: a new request that no prefill instance attains runs whole on a decode
+    instance serving a tier, never on one scaled up from the idle pool for it; with none, it waits in its queue."""
+    from cluster.fleet import RoutedRequest
+    from cluster.router import How, Outcome
+    from scheduler.transfer import TransferLink, TransferModel
+
+    tiers = EngineConfig(executor="emulated").tier_set
+    tier = tiers[tiers.index("standard")]  # TTFT 500 ms
+    slow_link = TransferModel(TransferLink("slow", bandwidth=1e6, latency_s=0.0), bytes_per_token=1000)  # 1 ms/token
+    router = Router(tiers, emulated_latency_model(), transfer=slow_link)
+    for instance_id, role in [("p", "prefill"), ("d0", "decode"), ("d1", "decode")]:
+        router.add_instance(instance_id, 0.0)
+        router.set_role(instance_id, role)
+        router.on_ready(instance_id, 1 << 20, 0.0)
+    reqs = {rid: RoutedRequest(rid, tiers.index(tier.name), tier.name, tier.slo, 0.0, prompt, 20)
+            for rid, prompt in [("x", 600), ("a", 100)]}
+    # "x"'s KV takes 600 ms to move, past its TTFT: no prefill instance attains it, and both decode instances idle
+    assert router.submit(reqs["x"], 0.0).outcome is Outcome.QUEUED
+    assert len(router.fleet.idle) == 2 and not any(router.fleet[d].residents for d in ("d0", "d1"))
+    # "a" goes to prefill, its hand-off's place held on a decode instance that joins the tier for it
+    assert router.submit(reqs["a"], 0.0).how is How.PREFILL
+    member = router.reserved["a"]
+    assert member.tier == reqs["a"].tier_index
+    # now "x" runs whole there, prefill and all; the other decode instance stays idle and empty
+    [placement] = router.retry_queued(0.01)
+    assert placement.request.request_id == "x" and placement.instance_id == member.instance_id
+    assert placement.how is How.OWN and "x" not in router.handoffs
+    [idle] = router.fleet.idle
+    assert idle is not member and not idle.residents
+
+
 def test_a_prompt_goes_to_prefill_only_with_a_decode_place_held_for_it():
     """PolyServe's PD admission: a prompt goes to the prefill pool only while a decode instance would take its
     hand-off, and holds that place (a stand-in resident) until it leaves the prefill instance; one with no place
