@@ -115,12 +115,13 @@ VIEWS = ("cumulative", "mean_tpot", "max_gap")  # SimResult.tier_attainment's vi
 EXPERIMENTS = ("matrix", "autoscaled", "speed", "calibration", "scan", "pd")
 PD_LINK = "nvlink"  # the PD experiment's KV link (scheduler/transfer.py)
 # PD mode: the routers compared, each with its engine policy as in the matrix, and the prefill shares of the fleet
-# each is searched at (a static split, the best of these per policy, as DistServe sizes its split offline)
+# each is searched at (a static split, the best of these per policy, as DistServe sizes its split offline); the
+# shares reach below the best splits the baselines found in a narrower range (its lowest share)
 PD_POLICIES = ("polyserve", "mixed-deadline-admission", "mixed-deadline", "least-loaded", "random")
 # the pairings PD stacks ship with (random, least-loaded, each with the FCFS engine); the deadline-aware PD baselines
 # beside them run PolyServe's own engine policy, stronger than any pairing alone: the ratio is given to both
 PD_PAIRINGS = ("least-loaded", "random")
-PD_PREFILL_SHARES = (0.4375, 0.5, 0.5625, 0.625)
+PD_PREFILL_SHARES = (0.375, 0.4375, 0.5, 0.5625, 0.625)
 # The headroom target (scheduler/headroom.py) of the fleet each rule is measured on, every policy's alike, as an
 # operator sets it for the attainment its fleet is held to: each margin lets this share of requests miss. Measured at
 # 64 and 8 instances against both rules (bench/RESULTS.md): where a tenth of a tier may miss, packing tighter pays
