@@ -115,8 +115,9 @@ VIEWS = ("cumulative", "mean_tpot", "max_gap")  # SimResult.tier_attainment's vi
 EXPERIMENTS = ("matrix", "autoscaled", "speed", "calibration", "scan", "pd")
 PD_LINK = "nvlink"  # the PD experiment's KV link (scheduler/transfer.py)
 # PD mode: the routers compared, each with its engine policy as in the matrix, and the prefill shares of the fleet
-# each is searched at (a static split, the best of these per policy, as DistServe sizes its split offline); the
-# shares reach below the best splits the baselines found in a narrower range (its lowest share)
+# each is searched at (a static split, the best per policy of these and of one more between its best and the better
+# neighbour, as DistServe sizes its split offline); the shares reach below the best splits the baselines found in a
+# narrower range (its lowest share)
 PD_POLICIES = ("polyserve", "mixed-deadline-admission", "mixed-deadline", "least-loaded", "random")
 # the pairings PD stacks ship with (random, least-loaded, each with the FCFS engine); the deadline-aware PD baselines
 # beside them run PolyServe's own engine policy, stronger than any pairing alone: the ratio is given to both
@@ -1010,26 +1011,50 @@ def pd_splits(num_instances: int) -> list[int]:
     return sorted({min(num_instances - 1, max(1, round(share * num_instances))) for share in PD_PREFILL_SHARES})
 
 
+def pd_refined_split(goodput_by_split: dict[int, float]) -> int | None:
+    """The split halfway between the best of a router's searched splits and the better of its neighbours (the
+    one neighbour at an edge of the grid), where the two are more than one instance apart; else None."""
+    splits = sorted(goodput_by_split)
+    k = max(range(len(splits)), key=lambda i: (goodput_by_split[splits[i]], -i))  # the fewest prefill on a tie
+    neighbours = [splits[i] for i in (k - 1, k + 1) if 0 <= i < len(splits)]
+    if not neighbours:
+        return None
+    other = max(neighbours, key=lambda split: goodput_by_split[split])
+    return (splits[k] + other) // 2 if abs(other - splits[k]) > 1 else None
+
+
 def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
-    """Goodput (headline rule) in PD mode of each of PD_POLICIES at its best split of PD_PREFILL_SHARES, beside
-    co-located PolyServe and mixed-deadline-admission on as many instances, at each of `plan.pd_fleets` (each in
-    the matrix's window for its size), printed."""
+    """Goodput (headline rule) in PD mode of each of PD_POLICIES at its best split, beside co-located PolyServe
+    and mixed-deadline-admission on as many instances, at each of `plan.pd_fleets` (each in the matrix's window for
+    its size), printed. A router's splits: PD_PREFILL_SHARES of the fleet, then the one `pd_refined_split` finds
+    between the best of these and its better neighbour."""
     bound = setup.bound()
     pd_bound = setup.bound(disaggregated=True)
     built = build_setup(setup)
     co_budget = co_chunk_budget(built.model, built.tiers, bound)
-    jobs = [SearchJob(replace(setup, window_s=plan.cell_window_s(n)), policy, n, co_budget, plan.seeds,
-                      0.7 * bound.rate(n), 1.1 * bound.rate(n), plan.rel_tol, prefill)
-            for n in plan.pd_fleets
+
+    def search(n: int, policy: str, prefill: int) -> SearchJob:
+        return SearchJob(replace(setup, window_s=plan.cell_window_s(n)), policy, n, co_budget, plan.seeds,
+                         0.7 * bound.rate(n), 1.1 * bound.rate(n), plan.rel_tol, prefill)
+
+    jobs = [search(n, policy, prefill) for n in plan.pd_fleets
             for policy, splits in [*((p, pd_splits(n)) for p in PD_POLICIES),
                                    ("polyserve", [0]), ("mixed-deadline-admission", [0])]
             for prefill in splits]
     with _progress(len(jobs), "PD goodput") as progress:
         searches = progress_file.run(pool, jobs, progress)  # the smaller fleets first: done first if stopped
+        refined = [search(n, policy, split) for n in plan.pd_fleets for policy in PD_POLICIES
+                   if (split := pd_refined_split({s["prefill_instances"]: s["goodput"] for s in searches
+                                                  if s["num_instances"] == n and s["policy"] == policy
+                                                  and s["prefill_instances"]})) is not None]
+        progress.total += len(refined)
+        progress.refresh()
+        searches += progress_file.run(pool, refined, progress)
     print(f"\nPD disaggregation, {setup.workload.name}, KV over {PD_LINK} (headline goodput, req/s: every tier >= 90 % "
           f"attaining; window {', '.join(f'{plan.cell_window_s(n):g} s at {n}' for n in plan.pd_fleets)} after "
           f"{setup.warmup_s:.0f} s; the best static split of "
-          f"{', '.join(f'{x:g}' for x in PD_PREFILL_SHARES)} of the fleet prefilling):")
+          f"{', '.join(f'{x:g}' for x in PD_PREFILL_SHARES)} of the fleet prefilling and of the one halfway from "
+          f"each router's best of these to its better neighbour):")
     rows = []
     for n in plan.pd_fleets:
         cell = [s for s in searches if s["num_instances"] == n]
