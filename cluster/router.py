@@ -23,11 +23,10 @@ O(log n) per instance of n residents; a step report pays the pass over them.
 Prefill/decode disaggregation (`set_role`): prefill instances form a pool of their own, outside the tiers. PolyServe
 places a new request on the prefill instance with the least queued prompt work of those whose queue runs its prompt
 and the transfer of its KV by its first-token deadline (`AttainabilityChecker.fits_prefill`); when none does, on a
-decode instance of its tier or a tighter one (a looser one's only while an idle instance is empty), by the tier
-rules, as a whole request that instance prefills itself ("convertible": a burst does not wait for the prefill pool to
-grow), never on one scaled up from the idle pool for it; else it waits in its tier's queue. The hand-off (`hand_off`)
-is placed on decode instances by the tier rules, tested from the moment its KV arrives with its next token due one
-TPOT after its first-token deadline.
+decode instance that serves a tier already, by the tier rules, as a whole request that instance prefills itself
+("convertible": a burst does not wait for the prefill pool to grow), never on one scaled up from the idle pool for
+it; else it waits in its tier's queue. The hand-off (`hand_off`) is placed on decode instances by the tier rules, tested
+from the moment its KV arrives with its next token due one TPOT after its first-token deadline.
 """
 from __future__ import annotations
 
@@ -468,18 +467,14 @@ class Router:
 
     def _convertible(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
                      now: float) -> tuple[InstanceView, How] | None:
-        """A new request the prefill pool cannot take in time: whole on a decode instance of its own tier or a
-        tighter one, in its tier's scan order; on a looser tier's (demoted) only while the idle pool holds an empty
-        instance. Never on one scaled up from the idle pool for it: the tier it joined would be sized by a burst of
-        prompts, each such instance prefilling one at its tier's small chunk, and under load a tier keeps what it
-        took (its instances fill with promoted requests and none drains to be released) while the tiers that need
-        the decode pool for hand-offs find it short. A demoted request holds its instance to its TPOT the same way:
-        no loss to the looser tier while that tier could grow onto an idle instance, an instance lost once it
-        cannot. With no place the request waits in its queue for the prefill pool."""
-        own = req.tier_index
-        tiers = (t for order in self._tier_orders[own] for t in order)
-        return self._place_in(tuple(tiers if self.fleet.idle_empty() else (t for t in tiers if t <= own)), req, snap,
-                              early, now)
+        """A new request the prefill pool cannot take in time: whole on a decode instance that serves a tier
+        already, in its tier's scan order without the idle pool. Not on one scaled up for it: the tier it joined
+        would be sized by a burst of prompts, each such instance prefilling one at its tier's small chunk, and
+        under load a tier keeps what it took (its instances fill with promoted requests and none drains to be
+        released), while the tiers that need the decode pool for hand-offs find it empty."""
+        before_scale_up, after_scale_up = self._tier_orders[req.tier_index]
+        return self._place_in(before_scale_up, req, snap, early, now) or \
+            self._place_in(after_scale_up, req, snap, early, now)
 
     def _decode_pool_serves(self) -> bool:
         ready = InstanceStatus.READY
