@@ -427,22 +427,30 @@ def test_the_router_places_prompts_on_prefill_and_hand_offs_on_decode_instances(
     assert router.submit(late, 0.05).instance_id == ("d" if policy == "polyserve" else "p")
 
 
+def slow_link_router(roles: list[tuple[str, str]]) -> Router:
+    """A router over ready instances of these (id, role)s, each with 1M tokens of KV, the emulated tiers, and KV
+    moving at 1 ms a token."""
+    from scheduler.transfer import TransferLink, TransferModel
+
+    link = TransferModel(TransferLink("slow", bandwidth=1e6, latency_s=0.0), bytes_per_token=1000)
+    router = Router(EngineConfig(executor="emulated").tier_set, emulated_latency_model(), transfer=link)
+    for instance_id, role in roles:
+        router.add_instance(instance_id, 0.0)
+        router.set_role(instance_id, role)
+        router.on_ready(instance_id, 1 << 20, 0.0)
+    return router
+
+
 def test_the_router_fills_the_least_queued_prefill_instance_and_waits_for_the_transfer():
     """PolyServe's PD placement: a new prompt goes to the prefill instance with the least queued work of those that
     run it and its transfer by its first-token deadline, else whole to a decode instance; a hand-off is tested from
     when its KV arrives."""
     from cluster.fleet import RoutedRequest
     from cluster.router import How, Outcome
-    from scheduler.transfer import TransferLink, TransferModel
 
-    tiers = EngineConfig(executor="emulated").tier_set
+    router = slow_link_router([("p0", "prefill"), ("p1", "prefill"), ("d", "decode")])
+    tiers = router.tiers
     tier = tiers[tiers.index("standard")]  # TTFT 500 ms, TPOT 50 ms
-    slow_link = TransferModel(TransferLink("slow", bandwidth=1e6, latency_s=0.0), bytes_per_token=1000)  # 1 ms/token
-    router = Router(tiers, emulated_latency_model(), transfer=slow_link)
-    for instance_id, role in [("p0", "prefill"), ("p1", "prefill"), ("d", "decode")]:
-        router.add_instance(instance_id, 0.0)
-        router.set_role(instance_id, role)
-        router.on_ready(instance_id, 1 << 20, 0.0)
     assert [v.instance_id for v in router.fleet.prefill] == ["p0", "p1"] and router.fleet.idle == [router.fleet["d"]]
     reqs = {rid: RoutedRequest(rid, tiers.index(tier.name), tier.name, tier.slo, 0.0, prompt, 20)
             for rid, prompt in [("a", 300), ("b", 100), ("c", 100), ("x", 600)]}
@@ -473,16 +481,10 @@ def test_a_prompt_the_prefill_pool_cannot_take_runs_whole_only_on_a_decode_insta
     instance serving a tier, never on one scaled up from the idle pool for it; with none, it waits in its queue."""
     from cluster.fleet import RoutedRequest
     from cluster.router import How, Outcome
-    from scheduler.transfer import TransferLink, TransferModel
 
-    tiers = EngineConfig(executor="emulated").tier_set
+    router = slow_link_router([("p", "prefill"), ("d0", "decode"), ("d1", "decode")])
+    tiers = router.tiers
     tier = tiers[tiers.index("standard")]  # TTFT 500 ms
-    slow_link = TransferModel(TransferLink("slow", bandwidth=1e6, latency_s=0.0), bytes_per_token=1000)  # 1 ms/token
-    router = Router(tiers, emulated_latency_model(), transfer=slow_link)
-    for instance_id, role in [("p", "prefill"), ("d0", "decode"), ("d1", "decode")]:
-        router.add_instance(instance_id, 0.0)
-        router.set_role(instance_id, role)
-        router.on_ready(instance_id, 1 << 20, 0.0)
     reqs = {rid: RoutedRequest(rid, tiers.index(tier.name), tier.name, tier.slo, 0.0, prompt, 20)
             for rid, prompt in [("x", 600), ("a", 100)]}
     # "x"'s KV takes 600 ms to move, past its TTFT: no prefill instance attains it, and both decode instances idle
