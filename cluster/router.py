@@ -25,8 +25,9 @@ places a new request on the prefill instance with the least queued prompt work o
 and the transfer of its KV by its first-token deadline (`AttainabilityChecker.fits_prefill`); when none does, on a
 decode instance that serves a tier already, by the tier rules, as a whole request that instance prefills itself
 ("convertible": a burst does not wait for the prefill pool to grow), never on one scaled up from the idle pool for
-it; else it waits in its tier's queue. The hand-off (`hand_off`) is placed on decode instances by the tier rules, tested
-from the moment its KV arrives with its next token due one TPOT after its first-token deadline.
+it nor on the least-loaded of a looser tier's several; else it waits in its tier's queue. The hand-off (`hand_off`)
+is placed on decode instances by the tier rules, tested from the moment its KV arrives with its next token due one
+TPOT after its first-token deadline.
 """
 from __future__ import annotations
 
@@ -468,13 +469,17 @@ class Router:
     def _convertible(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
                      now: float) -> tuple[InstanceView, How] | None:
         """A new request the prefill pool cannot take in time: whole on a decode instance that serves a tier
-        already, in its tier's scan order without the idle pool. Not on one scaled up for it: the tier it joined
-        would be sized by a burst of prompts, each such instance prefilling one at its tier's small chunk, and
-        under load a tier keeps what it took (its instances fill with promoted requests and none drains to be
-        released), while the tiers that need the decode pool for hand-offs find it empty."""
-        before_scale_up, after_scale_up = self._tier_orders[req.tier_index]
+        already, in its tier's scan order without the idle pool, and on a looser tier's (demoted) never the
+        least-loaded of several. Not on one scaled up for it: the tier it joined would be sized by a burst of
+        prompts, each such instance prefilling one at its tier's small chunk, and under load a tier keeps what it
+        took (its instances fill with promoted requests and none drains to be released), while the tiers that need
+        the decode pool for hand-offs find it empty. Not on a looser tier's least-loaded instance: once the tier's
+        busier ones are packed its own requests go there, and the prompt would hold it to the tighter TPOT for its
+        stay, so the tier stops growing just as it needs to."""
+        own = req.tier_index
+        before_scale_up, after_scale_up = self._tier_orders[own]
         return self._place_in(before_scale_up, req, snap, early, now) or \
-            self._place_in(after_scale_up, req, snap, early, now)
+            self._place_in(after_scale_up, req, snap, early, now, spare_growing=True)
 
     def _decode_pool_serves(self) -> bool:
         ready = InstanceStatus.READY
@@ -541,7 +546,9 @@ class Router:
         return None
 
     def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot, early: float,
-                  now: float) -> tuple[InstanceView, How] | None:
+                  now: float, spare_growing: bool = False) -> tuple[InstanceView, How] | None:
+        """The first instance of `tiers` (scanned in order) that attains `req`; `spare_growing`: never a looser
+        tier's least-loaded instance while it has others (see `_convertible`)."""
         fits, members, queues, own = self._fits, self.fleet.members, self.queues, req.tier_index
         ready = InstanceStatus.READY
         for tier in tiers:
@@ -549,7 +556,10 @@ class Router:
                 continue  # a tier whose own requests wait for room lends none to other tiers'
             how = How.OWN if tier == own else How.PROMOTED if tier < own else How.DEMOTED
             # demoted: the least loaded first, whose batch the request's tighter pace cuts least
-            for view in sorted(members[tier], key=_load, reverse=self.gradient and how is not How.DEMOTED):
+            views = sorted(members[tier], key=_load, reverse=self.gradient and how is not How.DEMOTED)
+            if spare_growing and how is How.DEMOTED and len(views) > 1:
+                views = views[1:]
+            for view in views:
                 if view.status is ready and fits(view, self._budget_ms(self._held_tier(view, own)), req, snap, now,
                                                  early):
                     return view, how

@@ -427,9 +427,9 @@ def test_the_router_places_prompts_on_prefill_and_hand_offs_on_decode_instances(
     assert router.submit(late, 0.05).instance_id == ("d" if policy == "polyserve" else "p")
 
 
-def slow_link_router(roles: list[tuple[str, str]]) -> Router:
-    """A router over ready instances of these (id, role)s, each with 1M tokens of KV, the emulated tiers, and KV
-    moving at 1 ms a token."""
+def slow_link_router(roles: list[tuple[str, str]], kv_tokens: dict[str, int] | None = None) -> Router:
+    """A router over ready instances of these (id, role)s, each with `kv_tokens` of KV (1M where not given), the
+    emulated tiers, and KV moving at 1 ms a token."""
     from scheduler.transfer import TransferLink, TransferModel
 
     link = TransferModel(TransferLink("slow", bandwidth=1e6, latency_s=0.0), bytes_per_token=1000)
@@ -437,7 +437,7 @@ def slow_link_router(roles: list[tuple[str, str]]) -> Router:
     for instance_id, role in roles:
         router.add_instance(instance_id, 0.0)
         router.set_role(instance_id, role)
-        router.on_ready(instance_id, 1 << 20, 0.0)
+        router.on_ready(instance_id, (kv_tokens or {}).get(instance_id, 1 << 20), 0.0)
     return router
 
 
@@ -500,6 +500,34 @@ def test_a_prompt_the_prefill_pool_cannot_take_runs_whole_only_on_a_decode_insta
     assert placement.how is How.OWN and "x" not in router.handoffs
     [idle] = router.fleet.idle
     assert idle is not member and not idle.residents
+    # a tight request's KV (TTFT 250 ms) moves too slowly as well: it runs whole on "standard"'s instance, demoted
+    # (the tier's only one), not on the idle one
+    tight = tiers[tiers.index("tight")]
+    y = RoutedRequest("y", tiers.index(tight.name), tight.name, tight.slo, 0.01, 600, 20)
+    y_placed = router.submit(y, 0.01)
+    assert y_placed.instance_id == member.instance_id and y_placed.how is How.DEMOTED and not idle.residents
+
+
+def test_a_prompt_run_whole_spares_the_least_loaded_of_a_looser_tiers_instances():
+    """Demoted, a prompt run whole holds its instance to its tighter TPOT for its stay: of a looser tier's several
+    instances it never takes the least-loaded, where that tier's own requests go once the busier ones are packed."""
+    from cluster.fleet import RoutedRequest
+    from cluster.router import How
+
+    router = slow_link_router([("p", "prefill"), ("d0", "decode"), ("d1", "decode")], kv_tokens={"d0": 360})
+    tiers = router.tiers
+    standard, tight = (tiers[tiers.index(name)] for name in ("standard", "tight"))
+    a, b = (RoutedRequest(rid, tiers.index(standard.name), standard.name, standard.slo, 0.0, prompt, 20)
+            for rid, prompt in [("a", 50), ("b", 400)])
+    # "a"'s hand-off place on d0; "b"'s does not fit d0's KV beside it, so d1 joins the tier for it
+    assert router.submit(a, 0.0).how is How.PREFILL and router.reserved["a"].instance_id == "d0"
+    assert router.submit(b, 0.0).how is How.PREFILL and router.reserved["b"].instance_id == "d1"
+    d0, d1 = router.fleet["d0"], router.fleet["d1"]
+    assert d0.tier == d1.tier == a.tier_index and d0.load < d1.load
+    # a tight prompt no prefill instance takes in time (its KV 260 ms to move) fits either: it goes on the busier
+    y = RoutedRequest("y", tiers.index(tight.name), tight.name, tight.slo, 0.0, 260, 20)
+    placed = router.submit(y, 0.0)
+    assert placed.instance_id == "d1" and placed.how is How.DEMOTED and "y" not in d0.residents
 
 
 def test_a_prompt_goes_to_prefill_only_with_a_decode_place_held_for_it():
