@@ -116,8 +116,8 @@ EXPERIMENTS = ("matrix", "autoscaled", "speed", "calibration", "scan", "pd")
 PD_LINK = "nvlink"  # the PD experiment's KV link (scheduler/transfer.py)
 # PD mode: the routers compared, each with its engine policy as in the matrix, and the prefill shares of the fleet
 # each is searched at (a static split, the best per policy of these and of one more between its best and the better
-# neighbour, as DistServe sizes its split offline); the shares reach below the best splits the baselines found in a
-# narrower range (its lowest share)
+# neighbour, as DistServe sizes its split offline); the shares start below the lowest of an earlier, narrower range,
+# where every baseline's best split lay
 PD_POLICIES = ("polyserve", "mixed-deadline-admission", "mixed-deadline", "least-loaded", "random")
 # the pairings PD stacks ship with (random, least-loaded, each with the FCFS engine); the deadline-aware PD baselines
 # beside them run PolyServe's own engine policy, stronger than any pairing alone: the ratio is given to both
