@@ -1447,6 +1447,8 @@ def plot_scan(scan: dict, path: Path) -> None:
 def plot_pd(pd: dict, path: Path) -> None:
     """Headline goodput of each router in PD mode against its prefill instances, a panel per fleet size, the
     co-located runs as horizontal lines."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _plt()
     fleets = sorted({s["num_instances"] for s in pd["searches"]})
     fig, axes = plt.subplots(1, len(fleets), figsize=(6 * len(fleets), 4.5), squeeze=False)
@@ -1461,6 +1463,7 @@ def plot_pd(pd: dict, path: Path) -> None:
                     ax.axhline(s["goodput"], color=line.get_color(), ls="--", lw=1, label=f"{policy} (co-located)")
         ax.set_title(f"{pd['workload']}, {n} instances, KV over {pd['link']}", fontsize=10)
         ax.set_xlabel("prefill instances")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("headline goodput (req/s)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
