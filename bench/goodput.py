@@ -37,10 +37,11 @@ about 11 min on one core (12 to 18 runs of 20 s simulated), so the forty of them
 256-instance cells about 3 h more; --leader-fleets '' leaves those out, more --processes divide the rest. What
 keeps it there: cell_jobs (brackets from the smaller fleet, weak baselines searched coarsely) and CellJob (the
 strict search started just below the headline goodput). The cost estimates predate the strict search's own runs.
-Each job's result is kept in <out>/goodput_progress.json (the PD experiment's in goodput_pd_progress.json) as it
-finishes: a run stopped part way (the full matrix takes longer than one sitting) goes on with --resume where it
-stopped and gives what the whole run would have; only a run of the same options and the same code
-(`code_fingerprint`) resumes from it.
+Each job's result is kept in <out>/goodput_progress.json (the PD experiment's in
+goodput_pd_progress_<workload>.json) as it finishes: a run stopped part way (the full matrix takes longer than one
+sitting) goes on with --resume where it stopped and gives what the whole run would have; only a run of the same
+options and the same code (`code_fingerprint`) resumes from it. The PD experiment at 8, 16 and 64 instances took
+about 3 to 4 h on 2 processes per workload (conv-4tier's searches; the 64-instance ones 1.6 h).
 
 Other experiments (--experiments): autoscaled: PolyServe autoscaled through conv-phase's phase change, SLO-attaining
 requests per instance-second held; speed: the time to simulate the whole conversation trace at 64 instances;
@@ -48,7 +49,8 @@ calibration: the engine against the simulator, one engine in-process and a fleet
 live router; scan: per-instance goodput of --policies (default polyserve) over --scan-fleets, in a longer window,
 each probe pooling seeds enough for as many instance-runs at every size; pd: prefill/decode disaggregation at
 --pd-fleets, each router of PD_POLICIES at its best static split of the fleet, beside co-located PolyServe and
-mixed-deadline-admission, each against the bound of its mode (a PD fleet's: `fluid_bound`'s `prefill_chunk`). They run on the first of --workloads.
+mixed-deadline-admission, each against the bound of its mode (a PD fleet's: `fluid_bound`'s `prefill_chunk`), on
+each of --workloads (the PD column of the matrix: `print_pd_matrix`); the other experiments run on the first of them.
 
 Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
 JSON. KV pool: what the weights leave of 90 % of 141 GB (scheduler/roofline.py). Tiers: the four default tiers
@@ -1077,11 +1079,33 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
               f"pairing ({pairing['policy']}) {_ratio(to_pairing)}; PolyServe-PD / co-located PolyServe "
               f"{_ratio(ours['goodput'] / best[('polyserve', 'co-located')]['goodput'])}; bounds "
               f"{pd_bound.rate(n):.1f} PD, {bound.rate(n):.1f} co-located")
-        rows.append({"num_instances": n, "ratio_to_best_pd_baseline": ratio, "best_pd_baseline": strongest["policy"],
+        rows.append({"num_instances": n, "polyserve_pd": ours["goodput"],
+                     "polyserve_pd_prefill": ours["prefill_instances"],
+                     "best_pd_baseline_goodput": strongest["goodput"],
+                     "best_pd_baseline_prefill": strongest["prefill_instances"],
+                     "co_located_polyserve": best[("polyserve", "co-located")]["goodput"],
+                     "ratio_to_best_pd_baseline": ratio, "best_pd_baseline": strongest["policy"],
                      "ratio_to_best_pairing": to_pairing, "best_pairing": pairing["policy"],
                      "pd_bound": pd_bound.rate(n), "co_located_bound": bound.rate(n)})
     return {"workload": setup.workload.name, "link": PD_LINK, "shares": list(PD_PREFILL_SHARES), "searches": searches,
             "summary": rows}
+
+
+def print_pd_matrix(runs: list[dict]) -> None:
+    """The PD column of the matrix: per workload and fleet, PolyServe-PD at its best split against the best PD
+    baseline at its own and against co-located PolyServe on as many instances (headline goodput, req/s)."""
+    print("\nPD disaggregation by workload (headline goodput, req/s; each router at its best split):")
+    print(f"  {'workload':12} {'fleet':>5} | {'PolyServe-PD':>17} | {'best PD baseline':>36} | {'ratio':>6} | "
+          f"{'co-located PolyServe':>20} | {'PD / co-located':>15}")
+    for run in runs:
+        for row in run["summary"]:
+            n = row["num_instances"]
+            ours = f"{row['polyserve_pd']:.1f} {row['polyserve_pd_prefill']}p+{n - row['polyserve_pd_prefill']}d"
+            theirs = (f"{row['best_pd_baseline']} {row['best_pd_baseline_goodput']:.1f} "
+                      f"{row['best_pd_baseline_prefill']}p+{n - row['best_pd_baseline_prefill']}d")
+            print(f"  {run['workload']:12} {n:>5} | {ours:>17} | {theirs:>36} | "
+                  f"{_ratio(row['ratio_to_best_pd_baseline']):>6} | {row['co_located_polyserve']:>20.1f} | "
+                  f"{_ratio(row['polyserve_pd'] / row['co_located_polyserve']):>15}")
 
 
 def autoscale_job(plan: Plan, latency_profile: str | None, error: str) -> AutoscaleJob:
@@ -1096,10 +1120,12 @@ def autoscale_job(plan: Plan, latency_profile: str | None, error: str) -> Autosc
     return AutoscaleJob(setup, start_fleet, rate, limits)
 
 
-def run_experiments(pool, plan: Plan, args, names: list[str], workload: WorkloadSpec, report: dict,
+def run_experiments(pool, plan: Plan, args, names: list[str], workloads: list[WorkloadSpec], report: dict,
                     key: dict) -> None:
-    """The experiments besides the matrix that `names` holds, each printed and added to `report`; `key`: what the
-    progress kept for a resumed one must have been made by (`progress_key`)."""
+    """The experiments besides the matrix that `names` holds, each printed and added to `report`: PD on each of
+    `workloads`, the others on the first; `key`: what the progress kept for a resumed one must have been made by
+    (`progress_key`)."""
+    workload = workloads[0]
     setup = Setup(workload, args.latency_profile, plan.warmup_s, plan.window_s, args.prediction_error)
     jobs = {}
     if "autoscaled" in names:
@@ -1138,8 +1164,10 @@ def run_experiments(pool, plan: Plan, args, names: list[str], workload: Workload
         policies = list(plan.policies) if args.policies else ["polyserve"]
         report["scan"] = run_scan(pool, plan, scan_setup, policies, bracket, args.processes)
     if "pd" in names:
-        report["pd"] = run_pd(pool, plan, setup, JobProgress.open(
-            Path(args.out) / "goodput_pd_progress.json", {**key, "workload": workload.name}, args.resume))
+        report["pd"] = [run_pd(pool, plan, replace(setup, workload=spec), JobProgress.open(
+            Path(args.out) / f"goodput_pd_progress_{spec.name}.json", {**key, "workload": spec.name}, args.resume))
+            for spec in workloads]
+        print_pd_matrix(report["pd"])
 
 
 def _bracket_arg(text: str) -> tuple[float, float]:
@@ -1261,7 +1289,7 @@ def main(argv=None) -> None:
             print_matrix(report["matrix"])
             if "sweep" in report["matrix"]:
                 print_sweep(report["matrix"]["sweep"])
-        run_experiments(pool, plan, args, names, specs[0], report, key)
+        run_experiments(pool, plan, args, names, specs, report, key)
     _write_report(report, path, t_start)
     write_plots(report, out_dir)
     print(f"\nwrote {path} and plots; total wall time {report['wall_s']:.0f} s")
@@ -1444,20 +1472,20 @@ def plot_scan(scan: dict, path: Path) -> None:
     _save(fig, path)
 
 
-def plot_pd(pd: dict, path: Path) -> None:
-    """Headline goodput of each router in PD mode against its prefill instances, a panel per fleet size, the
-    co-located runs as horizontal lines."""
+def plot_pd(runs: list[dict], path: Path) -> None:
+    """Headline goodput of each router in PD mode against its prefill instances, a row of panels per workload and
+    a panel per fleet size, the co-located runs as horizontal lines."""
     from matplotlib.ticker import MaxNLocator
 
     plt = _plt()
-    fleets = sorted({s["num_instances"] for s in pd["searches"]})
-    fig, axes = plt.subplots(1, len(fleets), figsize=(6 * len(fleets), 4.5), squeeze=False)
-    for ax, n in zip(axes[0], fleets):
+    fleets = sorted({s["num_instances"] for pd in runs for s in pd["searches"]})
+    fig, axes = plt.subplots(len(runs), len(fleets), figsize=(6 * len(fleets), 4.5 * len(runs)), squeeze=False)
+    for ax, (pd, n) in zip(axes.flat, ((pd, n) for pd in runs for n in fleets)):
         cell = [s for s in pd["searches"] if s["num_instances"] == n]
         for policy in dict.fromkeys(s["policy"] for s in cell):
-            runs = sorted((s["prefill_instances"], s["goodput"]) for s in cell
-                          if s["policy"] == policy and s["prefill_instances"])
-            line = ax.plot([r[0] for r in runs], [r[1] for r in runs], marker="o", label=f"{policy} (PD)")[0]
+            points = sorted((s["prefill_instances"], s["goodput"]) for s in cell
+                            if s["policy"] == policy and s["prefill_instances"])
+            line = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{policy} (PD)")[0]
             for s in cell:
                 if s["policy"] == policy and not s["prefill_instances"]:
                     ax.axhline(s["goodput"], color=line.get_color(), ls="--", lw=1, label=f"{policy} (co-located)")

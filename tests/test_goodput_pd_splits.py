@@ -1,6 +1,8 @@
-"""The PD experiment's splits: a grid of prefill shares, then one split between each router's best and its better
-neighbour."""
+"""The PD experiment: its splits (a grid of prefill shares, then one split between each router's best and its better
+neighbour), and its runs, one per workload of the matrix with its own progress."""
+from bench import goodput
 from bench.goodput import pd_refined_split, pd_splits
+from cluster.sim.workload import workload_spec
 
 
 def test_the_grid_covers_each_fleet_with_at_least_one_instance_on_each_side():
@@ -17,3 +19,29 @@ def test_the_refined_split_lies_between_the_best_and_its_better_neighbour():
     assert pd_refined_split({28: 4.0, 32: 6.0, 36: 6.0}) == 34  # tied best: the fewer prefill, toward the other
     assert pd_refined_split({3: 1.0, 4: 2.0, 5: 1.0}) is None  # neighbours one instance apart: nothing between
     assert pd_refined_split({4: 2.0}) is None
+
+
+def _pd_run(workload: str, ours: float, theirs: float, co_located: float) -> dict:
+    row = {"num_instances": 16, "polyserve_pd": ours, "polyserve_pd_prefill": 9, "best_pd_baseline": "mixed-deadline",
+           "best_pd_baseline_goodput": theirs, "best_pd_baseline_prefill": 7, "co_located_polyserve": co_located,
+           "ratio_to_best_pd_baseline": ours / theirs}
+    return {"workload": workload, "link": "nvlink", "shares": [], "searches": [], "summary": [row]}
+
+
+def test_the_pd_experiment_runs_on_every_workload_each_with_its_own_progress(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def run_pd(pool, plan, setup, progress):
+        calls.append((setup.workload.name, progress.path.name, progress.key["workload"]))
+        return _pd_run(setup.workload.name, 300.0, 250.0, 280.0)
+
+    monkeypatch.setattr(goodput, "run_pd", run_pd)
+    args = goodput.parse_args(["--experiments", "pd", "--workloads", "conv-4tier,code-4tier", "--out", str(tmp_path)])
+    report = {}
+    specs = [workload_spec("conv-4tier"), workload_spec("code-4tier")]
+    goodput.run_experiments(None, goodput.make_plan(args), args, ["pd"], specs, report, {"code": "x"})
+    assert calls == [("conv-4tier", "goodput_pd_progress_conv-4tier.json", "conv-4tier"),
+                     ("code-4tier", "goodput_pd_progress_code-4tier.json", "code-4tier")]
+    assert [run["workload"] for run in report["pd"]] == ["conv-4tier", "code-4tier"]
+    table = [line for line in capsys.readouterr().out.splitlines() if "4tier" in line]
+    assert len(table) == 2 and all("1.20x" in line and "1.07x" in line for line in table)
