@@ -118,8 +118,8 @@ EXPERIMENTS = ("matrix", "autoscaled", "speed", "calibration", "scan", "pd")
 PD_LINK = "nvlink"  # the PD experiment's KV link (scheduler/transfer.py)
 # PD mode: the routers compared, each with its engine policy as in the matrix, and the prefill shares of the fleet
 # each is searched at (a static split, the best per policy of these and of one more between its best and the better
-# neighbour, as DistServe sizes its split offline); the shares start below the lowest of an earlier, narrower range,
-# where every baseline's best split lay
+# neighbour, as DistServe sizes its split offline; a step beyond the grid while the best is at its edge); the shares
+# start below the lowest of an earlier, narrower range, where every baseline's best split lay
 PD_POLICIES = ("polyserve", "mixed-deadline-admission", "mixed-deadline", "least-loaded", "random")
 # the pairings PD stacks ship with (random, least-loaded, each with the FCFS engine); the deadline-aware PD baselines
 # beside them run PolyServe's own engine policy, stronger than any pairing alone: the ratio is given to both
@@ -1025,11 +1025,26 @@ def pd_refined_split(goodput_by_split: dict[int, float]) -> int | None:
     return (splits[k] + other) // 2 if abs(other - splits[k]) > 1 else None
 
 
+def pd_extended_split(goodput_by_split: dict[int, float], num_instances: int) -> int | None:
+    """The next split beyond the grid's edge, one grid step on, where a router's best searched split is at that edge
+    and the fleet leaves room (at least one instance of each kind); else None. A prompt-heavy workload's best split
+    can lie outside any fixed grid of shares."""
+    splits = sorted(goodput_by_split)
+    best = max(splits, key=lambda split: (goodput_by_split[split], -split))  # the fewest prefill on a tie
+    step = max(1, round((PD_PREFILL_SHARES[1] - PD_PREFILL_SHARES[0]) * num_instances))
+    if len(splits) > 1 and best == splits[-1] and best < num_instances - 1:
+        return min(num_instances - 1, best + step)
+    if len(splits) > 1 and best == splits[0] and best > 1:
+        return max(1, best - step)
+    return None
+
+
 def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
     """Goodput (headline rule) in PD mode of each of PD_POLICIES at its best split, beside co-located PolyServe
     and mixed-deadline-admission on as many instances, at each of `plan.pd_fleets` (each in the matrix's window for
-    its size), printed. A router's splits: PD_PREFILL_SHARES of the fleet, then the one `pd_refined_split` finds
-    between the best of these and its better neighbour."""
+    its size), printed. A router's splits: PD_PREFILL_SHARES of the fleet, then a step further each time its best is
+    at the edge of those searched (`pd_extended_split`), then the one `pd_refined_split` finds between the best of
+    these and its better neighbour."""
     bound = setup.bound()
     pd_bound = setup.bound(disaggregated=True)
     built = build_setup(setup)
@@ -1045,18 +1060,26 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
             for prefill in splits]
     with _progress(len(jobs), "PD goodput") as progress:
         searches = progress_file.run(pool, jobs, progress)  # the smaller fleets first: done first if stopped
-        refined = [search(n, policy, split) for n in plan.pd_fleets for policy in PD_POLICIES
-                   if (split := pd_refined_split({s["prefill_instances"]: s["goodput"] for s in searches
-                                                  if s["num_instances"] == n and s["policy"] == policy
-                                                  and s["prefill_instances"]})) is not None]
-        progress.total += len(refined)
-        progress.refresh()
-        searches += progress_file.run(pool, refined, progress)
+
+        def goodput_by_split(n: int, policy: str) -> dict[int, float]:
+            return {s["prefill_instances"]: s["goodput"] for s in searches
+                    if s["num_instances"] == n and s["policy"] == policy and s["prefill_instances"]}
+
+        def more(choose: Callable[[int, str], int | None]) -> list[dict]:
+            jobs = [search(n, policy, split) for n in plan.pd_fleets for policy in PD_POLICIES
+                    if (split := choose(n, policy)) is not None]
+            progress.total += len(jobs)
+            progress.refresh()
+            return progress_file.run(pool, jobs, progress)
+
+        while extended := more(lambda n, policy: pd_extended_split(goodput_by_split(n, policy), n)):
+            searches += extended
+        searches += more(lambda n, policy: pd_refined_split(goodput_by_split(n, policy)))
     print(f"\nPD disaggregation, {setup.workload.name}, KV over {PD_LINK} (headline goodput, req/s: every tier >= 90 % "
           f"attaining; window {', '.join(f'{plan.cell_window_s(n):g} s at {n}' for n in plan.pd_fleets)} after "
           f"{setup.warmup_s:.0f} s; the best static split of "
-          f"{', '.join(f'{x:g}' for x in PD_PREFILL_SHARES)} of the fleet prefilling and of the one halfway from "
-          f"each router's best of these to its better neighbour):")
+          f"{', '.join(f'{x:g}' for x in PD_PREFILL_SHARES)} of the fleet prefilling, of those a step on while a "
+          f"router's best is at the edge, and of the one halfway from its best to its better neighbour):")
     rows = []
     for n in plan.pd_fleets:
         cell = [s for s in searches if s["num_instances"] == n]

@@ -1,7 +1,7 @@
 """The PD experiment: its splits (a grid of prefill shares, then one split between each router's best and its better
 neighbour), and its runs, one per workload of the matrix with its own progress."""
 from bench import goodput
-from bench.goodput import pd_refined_split, pd_splits
+from bench.goodput import pd_extended_split, pd_refined_split, pd_splits
 from cluster.sim.workload import workload_spec
 
 
@@ -45,3 +45,13 @@ def test_the_pd_experiment_runs_on_every_workload_each_with_its_own_progress(tmp
     assert [run["workload"] for run in report["pd"]] == ["conv-4tier", "code-4tier"]
     table = [line for line in capsys.readouterr().out.splitlines() if "4tier" in line]
     assert len(table) == 2 and all("1.20x" in line and "1.07x" in line for line in table)
+
+
+def test_a_best_split_at_the_grids_edge_is_followed_a_step_beyond_it():
+    assert pd_extended_split({3: 1.0, 4: 2.0, 5: 3.0}, 8) == 6  # rising to the top: one more prefill instance
+    assert pd_extended_split({24: 1.0, 28: 2.0, 32: 3.0, 36: 4.0, 40: 5.0}, 64) == 44  # a grid step at 64
+    assert pd_extended_split({5: 1.0, 6: 2.0, 7: 3.0}, 8) is None  # one decode instance left: no room
+    assert pd_extended_split({24: 5.0, 28: 4.0, 32: 3.0}, 64) == 20  # falling: fewer prefill
+    assert pd_extended_split({1: 5.0, 2: 4.0}, 8) is None
+    assert pd_extended_split({24: 1.0, 28: 5.0, 32: 2.0}, 64) is None  # the best inside the searched splits
+    assert pd_extended_split({4: 2.0}, 8) is None  # one split alone has no direction
