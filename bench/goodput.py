@@ -1013,11 +1013,16 @@ def pd_splits(num_instances: int) -> list[int]:
     return sorted({min(num_instances - 1, max(1, round(share * num_instances))) for share in PD_PREFILL_SHARES})
 
 
+def _best_split(goodput_by_split: dict[int, float]) -> int:
+    """The split of the highest goodput, the fewest prefill instances on a tie."""
+    return max(goodput_by_split, key=lambda split: (goodput_by_split[split], -split))
+
+
 def pd_refined_split(goodput_by_split: dict[int, float]) -> int | None:
     """The split halfway between the best of a router's searched splits and the better of its neighbours (the
     one neighbour at an edge of the grid), where the two are more than one instance apart; else None."""
     splits = sorted(goodput_by_split)
-    k = max(range(len(splits)), key=lambda i: (goodput_by_split[splits[i]], -i))  # the fewest prefill on a tie
+    k = splits.index(_best_split(goodput_by_split))
     neighbours = [splits[i] for i in (k - 1, k + 1) if 0 <= i < len(splits)]
     if not neighbours:
         return None
@@ -1030,7 +1035,7 @@ def pd_extended_split(goodput_by_split: dict[int, float], num_instances: int) ->
     and the fleet leaves room (at least one instance of each kind); else None. A prompt-heavy workload's best split
     can lie outside any fixed grid of shares."""
     splits = sorted(goodput_by_split)
-    best = max(splits, key=lambda split: (goodput_by_split[split], -split))  # the fewest prefill on a tie
+    best = _best_split(goodput_by_split)
     step = max(1, round((PD_PREFILL_SHARES[1] - PD_PREFILL_SHARES[0]) * num_instances))
     if len(splits) > 1 and best == splits[-1] and best < num_instances - 1:
         return min(num_instances - 1, best + step)
@@ -1066,11 +1071,11 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
                     if s["num_instances"] == n and s["policy"] == policy and s["prefill_instances"]}
 
         def more(choose: Callable[[int, str], int | None]) -> list[dict]:
-            jobs = [search(n, policy, split) for n in plan.pd_fleets for policy in PD_POLICIES
-                    if (split := choose(n, policy)) is not None]
-            progress.total += len(jobs)
+            added = [search(n, policy, split) for n in plan.pd_fleets for policy in PD_POLICIES
+                     if (split := choose(n, policy)) is not None]
+            progress.total += len(added)
             progress.refresh()
-            return progress_file.run(pool, jobs, progress)
+            return progress_file.run(pool, added, progress)
 
         while extended := more(lambda n, policy: pd_extended_split(goodput_by_split(n, policy), n)):
             searches += extended

@@ -443,6 +443,10 @@ class Router:
             view = self._least_loaded_attaining(req, snap, early, now)
             return None if view is None else (view, How.BASELINE, None)
         if self.fleet.prefill and req.request_id not in self.handoffs:
+            if not req.resumed_tokens:
+                placed = self._whole_where_compute_spare(req, snap, early, now)
+                if placed is not None:
+                    return (*placed, None)
             # to the prefill pool with a place for its hand-off (none yet while no decode instance serves); else
             # (a burst, a pool still growing, a transfer too slow) whole on a decode instance whose tier test passes
             # with the prompt's chunks among its decodes
@@ -480,6 +484,31 @@ class Router:
         before_scale_up, after_scale_up = self._tier_orders[own]
         return self._place_in(before_scale_up, req, snap, early, now) or \
             self._place_in(after_scale_up, req, snap, early, now, spare_growing=True)
+
+    def _whole_where_compute_spare(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
+                                   now: float) -> tuple[InstanceView, How] | None:
+        """A new request whole on an instance of its own tier whose KV, not its TPOT, bounds its batch
+        (`_compute_spare`), busiest first, where the tier test passes with the prompt's chunks among its decodes:
+        the prompt then runs in step time that instance has to spare, and a prefill instance's time goes to the
+        tiers whose decodes use all of theirs. Tried before the prefill pool, as its hand-off would most often come
+        to such an instance anyway."""
+        own, ready = req.tier_index, InstanceStatus.READY
+        for view in sorted(self.fleet.members[own], key=_load, reverse=self.gradient):
+            budget = self._budget_ms(self._held_tier(view, own))
+            if view.status is ready and self._compute_spare(view, budget) and \
+                    self._fits(view, budget, req, snap, now, early):
+                return view, How.OWN
+        return None
+
+    def _compute_spare(self, view: InstanceView, budget_ms: float) -> bool:
+        """Would `view`'s batch, grown at its residents' mean context until its KV is full, still step within
+        `budget_ms`? Then its KV bounds its batch and its steps have time to spare (a loose tier's long contexts);
+        unknown (False) while it holds no request."""
+        if not view.residents or not view.kv_tokens:
+            return False
+        full = view.kv_capacity_tokens
+        batch = max(1, len(view.residents) * full // view.kv_tokens)
+        return self.model.predict(0, batch, full) * 1000.0 <= budget_ms
 
     def _decode_pool_serves(self) -> bool:
         ready = InstanceStatus.READY

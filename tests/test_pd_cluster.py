@@ -508,6 +508,32 @@ def test_a_prompt_the_prefill_pool_cannot_take_runs_whole_only_on_a_decode_insta
     assert y_placed.instance_id == member.instance_id and y_placed.how is How.DEMOTED and not idle.residents
 
 
+@pytest.mark.parametrize("kv_tokens, whole", [(4000, True), (1 << 20, False)])
+def test_a_prompt_runs_whole_on_its_tiers_instance_only_where_kv_bounds_the_batch(kv_tokens, whole):
+    """PolyServe's PD placement tries a new request whole on its own tier's decode instances whose KV, full at their
+    residents' context, holds a batch that still steps within the TPOT (their steps have time to spare), before the
+    prefill pool; an instance whose TPOT bounds its batch first is left to decode, the prompt going to prefill."""
+    from cluster.fleet import RoutedRequest
+    from cluster.router import How
+
+    tiers = EngineConfig(executor="emulated").tier_set
+    tier = tiers[tiers.index("standard")]
+    router = Router(tiers, emulated_latency_model())
+    for instance_id, role, kv in [("p", "prefill", 1 << 20), ("d", "decode", kv_tokens)]:
+        router.add_instance(instance_id, 0.0)
+        router.set_role(instance_id, role)
+        router.on_ready(instance_id, kv, 0.0)
+    a, b = (RoutedRequest(rid, tiers.index(tier.name), tier.name, tier.slo, 0.0, 100, 20) for rid in "ab")
+    # nothing on the decode instance yet: how its batch is bounded is unknown, and "a" goes to prefill
+    assert router.submit(a, 0.0).how is How.PREFILL and router.reserved["a"] is router.fleet["d"]
+    placed = router.submit(b, 0.0)
+    if whole:  # 4000 tokens of KV hold 39 of "a"'s context: far within the 50 ms TPOT
+        assert (placed.instance_id, placed.how) == ("d", How.OWN)
+        assert "b" not in router.handoffs and "b" not in router.reserved
+    else:  # a million tokens hold ten thousand such: far over it
+        assert placed.how is How.PREFILL and router.reserved["b"] is router.fleet["d"]
+
+
 def test_a_prompt_run_whole_spares_the_least_loaded_of_a_looser_tiers_instances():
     """Demoted, a prompt run whole holds its instance to its tighter TPOT for its stay: of a looser tier's several
     instances it never takes the least-loaded, where that tier's own requests go once the busier ones are packed."""
