@@ -21,13 +21,14 @@ reads an instance through the resident summary the router keeps current (Instanc
 O(log n) per instance of n residents; a step report pays the pass over them.
 
 Prefill/decode disaggregation (`set_role`): prefill instances form a pool of their own, outside the tiers. PolyServe
-places a new request on the prefill instance with the least queued prompt work of those whose queue runs its prompt
-and the transfer of its KV by its first-token deadline (`AttainabilityChecker.fits_prefill`); when none does, on a
-decode instance that serves a tier already, by the tier rules, as a whole request that instance prefills itself
-("convertible": a burst does not wait for the prefill pool to grow), never on one scaled up from the idle pool for
-it nor on the least-loaded of a looser tier's several; else it waits in its tier's queue. The hand-off (`hand_off`)
-is placed on decode instances by the tier rules, tested from the moment its KV arrives with its next token due one
-TPOT after its first-token deadline.
+places a new request whole on a decode instance of its tier whose steps have time to spare (its KV bounds its batch
+before its TPOT does: `_compute_spare`) where it attains; else on the prefill instance with the least queued prompt
+work of those whose queue runs its prompt and the transfer of its KV by its first-token deadline
+(`AttainabilityChecker.fits_prefill`); when none does, on a decode instance that serves a tier already, by the tier
+rules, as a whole request that instance prefills itself ("convertible": a burst does not wait for the prefill pool
+to grow), never on one scaled up from the idle pool for it nor on the least-loaded of a looser tier's several; else
+it waits in its tier's queue. The hand-off (`hand_off`) is placed on decode instances by the tier rules, tested from
+the moment its KV arrives with its next token due one TPOT after its first-token deadline.
 """
 from __future__ import annotations
 
