@@ -929,7 +929,10 @@ def _goodput(search: dict) -> str:
 
 
 def _ratio(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.2f}x"
+    """Rounded down to the hundredth: a printed ratio never claims more than was measured (1.2454 is not 1.25x)."""
+    if math.isnan(x):
+        return "-"
+    return "infx" if math.isinf(x) else f"{math.floor(x * 100 + 1e-9) / 100:.2f}x"
 
 
 def _tier_columns(at: dict | None) -> str:

@@ -1,5 +1,7 @@
 """The PD experiment: its splits (a grid of prefill shares, then one split between each router's best and its better
 neighbour), and its runs, one per workload of the matrix with its own progress."""
+import math
+
 from bench import goodput
 from bench.goodput import pd_extended_split, pd_refined_split, pd_splits
 from cluster.sim.workload import workload_spec
@@ -45,6 +47,11 @@ def test_the_pd_experiment_runs_on_every_workload_each_with_its_own_progress(tmp
     assert [run["workload"] for run in report["pd"]] == ["conv-4tier", "code-4tier"]
     table = [line for line in capsys.readouterr().out.splitlines() if "4tier" in line]
     assert len(table) == 2 and all("1.20x" in line and "1.07x" in line for line in table)
+
+
+def test_a_printed_ratio_is_rounded_down():
+    assert [goodput._ratio(x) for x in (1.2454, 1.25, 1.15, 0.999, math.nan)] == ["1.24x", "1.25x", "1.15x", "0.99x",
+                                                                                  "-"]
 
 
 def test_a_best_split_at_the_grids_edge_is_followed_a_step_beyond_it():
