@@ -411,10 +411,13 @@ def test_simulated_pd_fleet_grows_its_prefill_pool_under_a_burst_and_shrinks_it_
     assert all(n == 1 for t, n in prefill.items() if t >= 45)
     assert all(live - p >= 1 for _, _, _, live, p in res.samples)  # a decode instance throughout
     assert res.counts["handed_off"] == int(res.handed_off.sum())
-    # outside the burst every served request was handed off; in it, one that no prefill engine could take in time
-    # ran whole on a decode engine (the router's "convertible" decode instances)
+    # in the burst, a request that no prefill engine could take in time ran whole on a decode engine (the router's
+    # "convertible" decode instances); outside it, only where a decode engine of its tier had compute to spare: never
+    # a tight one (its KV full of these contexts steps over its 30 ms TPOT on this model), and few loose ones
     whole = res.served & ~res.handed_off
-    assert not whole[(res.arrival < 10.0) | (res.arrival > 30.0)].any()
+    calm = (res.arrival < 10.0) | (res.arrival > 30.0)
+    assert whole[(res.arrival >= 10.0) & (res.arrival <= 30.0)].sum() > 10
+    assert not whole[calm & (res.tier == 0)].any() and whole[calm].sum() < 0.05 * calm.sum()
     assert res.served.mean() > 0.9
 
 
