@@ -90,11 +90,17 @@ def test_first_token_from_prefill_the_rest_from_decode_after_the_transfer(link):
     for i in range(len(wl)):
         times, sources = res.token_times[i], res.token_instances[i]
         assert len(times) == len(sources) == wl.output_lens[i]
-        assert sources[0] == "i0"
-        assert all(s in ("i1", "i2") for s in sources[1:])
-        assert res.handed_off[i] == (wl.output_lens[i] > 1)
-        if len(times) > 1:
+        if res.handed_off[i]:
+            assert sources[0] == "i0" and all(s in ("i1", "i2") for s in sources[1:])
             assert times[1] - times[0] >= transfer.seconds(int(wl.prompt_lens[i]))
+        elif sources[0] == "i0":
+            assert sources == ["i0"]  # answered by its first token alone
+        else:
+            # run whole where its tier's decode instance has compute to spare: only a loose request (a KV full of
+            # these contexts steps over the tight tier's 30 ms on this model, within the loose tier's 100 ms)
+            assert wl.tier_index[i] == 1 and len(set(sources)) == 1 and sources[0] in ("i1", "i2")
+    tight = (wl.tier_index == 0) & (wl.output_lens > 1)
+    assert res.handed_off[tight].all() and res.handed_off.sum() > len(wl) // 2
     assert {s for sources in res.token_instances for s in sources[1:]} == {"i1", "i2"}  # both decode instances
     for inst in sim.instances.values():  # every block back, on both sides
         assert inst.free_blocks == inst.num_total_blocks and inst.num_residents == 0
@@ -121,12 +127,17 @@ def test_decode_instance_short_of_blocks_delays_hand_offs_without_losing_or_leak
     wl = poisson_workload(rate=20.0, n=60, seed=3, max_prompt=600, max_output=60)
     sim, res = run(wl, num_instances=2, prefill_instances=1, num_kv_blocks=120, router_policy=router_policy)
     assert res.served.all()
-    assert res.counts["handed_off"] == int((wl.output_lens > 1).sum())
+    assert res.counts["handed_off"] == int(res.handed_off.sum())
+    # a request not handed off was answered by its first token alone, or (PolyServe) run whole on the decode
+    # instance, whose few blocks bound its batch long before either tier's TPOT does
+    whole = ~res.handed_off & (wl.output_lens > 1)
+    assert res.handed_off.sum() >= len(wl) // 3
     if router_policy == "polyserve":
         assert res.counts["import_refused"] == 0 and res.counts["queued"] > 0
     else:
-        assert res.counts["import_refused"] > 0
-    assert all(s[0] == "i0" and set(s[1:]) <= {"i1"} for s in res.token_instances)
+        assert res.counts["import_refused"] > 0 and not whole.any()
+    assert all(set(s) == {"i1"} if whole[i] else s[0] == "i0" and set(s[1:]) <= {"i1"}
+               for i, s in enumerate(res.token_instances))
     for inst in sim.instances.values():
         assert inst.free_blocks == inst.num_total_blocks and inst.num_residents == 0
 
