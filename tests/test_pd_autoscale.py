@@ -549,15 +549,16 @@ def test_live_service_feeds_decoded_tokens_and_handed_off_bytes(llama_tiny):
 def test_live_prefill_pool_grows_under_a_burst_of_long_prompts_and_shrinks_after(default_model):
     """Emulated engines fifty times slower than the model: a 1500-token prompt is over a second of prefill, so a
     burst of ten in the 4 s rate window wants more than one prefill engine, of which --max-prefill-instances allows
-    two; once idle past --stop-after-idle-s, the second is stopped."""
+    two; once idle past --stop-after-idle-s, the second is stopped. The decode engine's KV, full of such prompts,
+    holds a batch predicted over the TPOT: it has no compute to spare for prompts of its own, so all go to prefill."""
     from concurrent.futures import ThreadPoolExecutor
 
     from conftest import openai_client, serving_fleet
 
     from cluster.fleet import InstanceStatus
 
-    argv = ["--model", default_model, "--executor", "emulated", "--time-scale", "50", "--num-kv-blocks", "1024",
-            "--tiers", "batch:5000:120000", "--serve-late", "--prefill-instances", "1", "--max-prefill-instances",
+    argv = ["--model", default_model, "--executor", "emulated", "--time-scale", "50", "--num-kv-blocks", "16384",
+            "--tiers", "batch:500:120000", "--serve-late", "--prefill-instances", "1", "--max-prefill-instances",
             "2", "--min-instances", "2", "--max-instances", "3", "--idle-pool", "0", "--warm-spares", "0",
             "--stop-after-idle-s", "1", "--prefill-rate-window-s", "4"]
     with serving_fleet(argv) as (server, backend):
