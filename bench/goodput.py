@@ -41,7 +41,9 @@ Each job's result is kept in <out>/goodput_progress.json (the PD experiment's in
 goodput_pd_progress_<workload>.json) as it finishes: a run stopped part way (the full matrix takes longer than one
 sitting) goes on with --resume where it stopped and gives what the whole run would have; only a run of the same
 options and the same code (`code_fingerprint`) resumes from it. The PD experiment at 8, 16 and 64 instances took
-about 3 to 4 h on 2 processes per workload (conv-4tier's searches; the 64-instance ones 1.6 h).
+about 3 to 4 h on 2 processes per workload (conv-4tier's searches; the 64-instance ones 1.6 h). Where some cells
+were rerun after a change that left the others' code paths alone, --merge builds the matrix from the kept progress
+files, a later file's cells replacing an earlier one's, each cell's source and code recorded (`merge_matrix`).
 
 Other experiments (--experiments): autoscaled: PolyServe autoscaled through conv-phase's phase change, SLO-attaining
 requests per instance-second held; speed: the time to simulate the whole conversation trace at 64 instances;
@@ -1282,6 +1284,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "holds, of a run of the same code and options stopped part way")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the plots of a saved report")
+    ap.add_argument("--merge", metavar="PROGRESS,...", default=None,
+                    help="run nothing: the matrix of the cells (and sweep runs) kept in these goodput_progress.json "
+                         "files, each file's replacing the earlier ones' of the same name (a rerun of some cells at a "
+                         "later commit after the whole matrix), written, printed and plotted in --out")
     return ap.parse_args(argv)
 
 
@@ -1295,6 +1301,8 @@ def main(argv=None) -> None:
     unknown = set(names) - set(EXPERIMENTS)
     if unknown:
         raise SystemExit(f"unknown experiments {sorted(unknown)}; known: {', '.join(EXPERIMENTS)}")
+    if args.merge and names != ["matrix"]:
+        raise SystemExit("--merge makes the matrix only: leave --experiments at matrix")
     specs = [workload_spec(name) for name in args.workloads.split(",")]
     plan = make_plan(args)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1308,6 +1316,15 @@ def main(argv=None) -> None:
     sweep_wanted = workloads and REFERENCE_WORKLOAD in (s.name for s in specs) and plan.sweep_fleet in plan.fleets
     sweep_setups = {e: matrix_workloads([workload_spec(REFERENCE_WORKLOAD)], plan, args.latency_profile, e)[0]
                     for e in PREDICTION_ERRORS} if sweep_wanted else None
+    if args.merge:
+        merge_matrix(args.merge.split(","), workloads, plan, args.prediction_error, sweep_setups, report)
+        _write_report(report, path, t_start)
+        print_matrix(report["matrix"])
+        if "sweep" in report["matrix"]:
+            print_sweep(report["matrix"]["sweep"])
+        write_plots(report, out_dir)
+        print(f"\nwrote {path} and plots")
+        return
     with _worker_pool(args.processes) as pool:
         if workloads:
             def checkpoint(cells, sweep):
@@ -1337,6 +1354,21 @@ def describe_setup(args, plan: Plan, workload: WorkloadSpec) -> dict:
     return {"plan": asdict(plan), "prediction_error": args.prediction_error, "latency_profile": args.latency_profile,
             "kv_capacity_tokens": kv_tokens,
             "tiers": [{"name": t.name, "tpot_ms": t.tpot_ms, "ttft_ms": t.ttft_ms} for t in built.tiers]}
+
+
+def merge_matrix(paths: list[str], workloads: list[MatrixWorkload], plan: Plan, error: str,
+                 sweep_setups: dict[str, MatrixWorkload] | None, report: dict) -> None:
+    """`report`'s matrix from the jobs kept in the progress files at `paths`, in order, a later file's result replacing
+    an earlier one's of the same job; each file's code fingerprint is recorded beside the jobs it gave."""
+    results, sources = {}, {}
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        for key, result in saved["results"].items():
+            results[key], sources[key] = result, {"file": path, "code": saved["key"]["code"]}
+    cells = [r for k, r in results.items() if k.startswith("cell|")]
+    sweep = [r for k, r in results.items() if k.startswith("sweep|")]
+    report["matrix"] = matrix_report(workloads, cells, sweep, plan, error, sweep_setups)
+    report["merged_from"] = sources
 
 
 def _write_report(report: dict, path: Path, t_start: float) -> None:

@@ -84,3 +84,30 @@ def test_a_report_checkpointed_before_the_largest_fleet_ran_is_plotted(tmp_path)
     figures = ["goodput_ratio_heatmap.png", "tier_attainment_at_goodput.png"]
     assert plotted == [([2], figures), ([2, 4], figures)]  # the first after the smaller fleet alone
     assert all((tmp_path / "round0" / name).read_bytes().startswith(b"\x89PNG") for name in figures)
+
+
+def test_a_matrix_merged_from_kept_progress_takes_each_cell_from_the_last_file_that_holds_it(tmp_path, capsys):
+    """`--merge`: the matrix of the cells kept by earlier runs (here the committed progress of a whole matrix, and a
+    rerun of one cell), the rerun's replacing the first's, each recorded with the file and code it came from."""
+    from pathlib import Path
+
+    from bench.goodput import main
+
+    whole = Path(__file__).resolve().parent.parent / "bench" / "results" / "goodput_progress.json"
+    saved = json.loads(whole.read_text())
+    key = "cell|conv-4tier|polyserve|64"
+    rerun = {"key": {**saved["key"], "code": "rerun"}, "results": {key: json.loads(json.dumps(saved["results"][key]))}}
+    rerun["results"][key]["headline"]["goodput"] *= 2
+    (tmp_path / "rerun.json").write_text(json.dumps(rerun))
+    main(["--merge", f"{whole},{tmp_path / 'rerun.json'}", "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "goodput.json").read_text())
+    cells = {(c["workload"], c["policy"], c["num_instances"]): c for c in report["matrix"]["cells"]}
+    assert len(cells) == len([k for k in saved["results"] if k.startswith("cell|")])
+    doubled = cells[("conv-4tier", "polyserve", 64)]["headline"]
+    assert doubled["goodput"] == pytest.approx(2 * saved["results"][key]["headline"]["goodput"], rel=1e-3)
+    assert doubled["vs_best"] > 2.0  # its ratio is taken anew against the first file's baselines
+    assert report["merged_from"][key]["code"] == "rerun"
+    assert report["merged_from"]["cell|conv-4tier|polyserve|16"]["code"] == saved["key"]["code"]
+    assert (tmp_path / "out" / "goodput_ratio_heatmap.png").exists() and "conv-4tier" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="matrix only"):
+        main(["--merge", str(whole), "--experiments", "pd", "--out", str(tmp_path / "out")])
