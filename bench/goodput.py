@@ -957,6 +957,8 @@ def print_ratio_summary(matrix: dict) -> None:
             names.append(_best_names(cell) if cell else "-")
         print(f"  {w['name']:12}" + "".join(f" {r:>33}" for r in row))
         print(f"  {'':12}" + "".join(f" {b:>33}" for b in names))
+    if "sweep" in matrix:
+        print_sweep(matrix["sweep"])
 
 
 def _best_names(cell: dict) -> str:
@@ -1317,27 +1319,22 @@ def main(argv=None) -> None:
     sweep_setups = {e: matrix_workloads([workload_spec(REFERENCE_WORKLOAD)], plan, args.latency_profile, e)[0]
                     for e in PREDICTION_ERRORS} if sweep_wanted else None
     if args.merge:
-        merge_matrix(args.merge.split(","), workloads, plan, args.prediction_error, sweep_setups, report)
-        _write_report(report, path, t_start)
+        report["matrix"], report["merged_from"] = merge_matrix(args.merge.split(","), workloads, plan,
+                                                               args.prediction_error, sweep_setups)
         print_matrix(report["matrix"])
-        if "sweep" in report["matrix"]:
-            print_sweep(report["matrix"]["sweep"])
-        write_plots(report, out_dir)
-        print(f"\nwrote {path} and plots")
-        return
-    with _worker_pool(args.processes) as pool:
-        if workloads:
-            def checkpoint(cells, sweep):
-                report["matrix"] = matrix_report(workloads, cells, sweep, plan, args.prediction_error, sweep_setups)
-                _write_report(report, path, t_start)
+    else:
+        with _worker_pool(args.processes) as pool:
+            if workloads:
+                def checkpoint(cells, sweep):
+                    report["matrix"] = matrix_report(workloads, cells, sweep, plan, args.prediction_error,
+                                                     sweep_setups)
+                    _write_report(report, path, t_start)
 
-            progress_file = JobProgress.open(out_dir / "goodput_progress.json", {
-                **key, "workloads": [s.name for s in specs], "sweep": bool(sweep_setups)}, args.resume)
-            run_matrix(pool, plan, workloads, sweep_setups, checkpoint, progress_file)
-            print_matrix(report["matrix"])
-            if "sweep" in report["matrix"]:
-                print_sweep(report["matrix"]["sweep"])
-        run_experiments(pool, plan, args, names, specs, report, key)
+                progress_file = JobProgress.open(out_dir / "goodput_progress.json", {
+                    **key, "workloads": [s.name for s in specs], "sweep": bool(sweep_setups)}, args.resume)
+                run_matrix(pool, plan, workloads, sweep_setups, checkpoint, progress_file)
+                print_matrix(report["matrix"])
+            run_experiments(pool, plan, args, names, specs, report, key)
     _write_report(report, path, t_start)
     write_plots(report, out_dir)
     print(f"\nwrote {path} and plots; total wall time {report['wall_s']:.0f} s")
@@ -1357,9 +1354,9 @@ def describe_setup(args, plan: Plan, workload: WorkloadSpec) -> dict:
 
 
 def merge_matrix(paths: list[str], workloads: list[MatrixWorkload], plan: Plan, error: str,
-                 sweep_setups: dict[str, MatrixWorkload] | None, report: dict) -> None:
-    """`report`'s matrix from the jobs kept in the progress files at `paths`, in order, a later file's result replacing
-    an earlier one's of the same job; each file's code fingerprint is recorded beside the jobs it gave."""
+                 sweep_setups: dict[str, MatrixWorkload] | None) -> tuple[dict, dict[str, dict]]:
+    """The matrix of the jobs kept in the progress files at `paths`, in order, a later file's result replacing an
+    earlier one's of the same job; and by job, the file and code fingerprint its result came from."""
     results, sources = {}, {}
     for path in paths:
         saved = json.loads(Path(path).read_text())
@@ -1367,8 +1364,7 @@ def merge_matrix(paths: list[str], workloads: list[MatrixWorkload], plan: Plan, 
             results[key], sources[key] = result, {"file": path, "code": saved["key"]["code"]}
     cells = [r for k, r in results.items() if k.startswith("cell|")]
     sweep = [r for k, r in results.items() if k.startswith("sweep|")]
-    report["matrix"] = matrix_report(workloads, cells, sweep, plan, error, sweep_setups)
-    report["merged_from"] = sources
+    return matrix_report(workloads, cells, sweep, plan, error, sweep_setups), sources
 
 
 def _write_report(report: dict, path: Path, t_start: float) -> None:

@@ -38,7 +38,7 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from cluster.autoscaler import Autoscaler, decode_seconds_per_token
 from cluster.fleet import Fleet, InstanceStatus, InstanceView, RoutedRequest
@@ -445,7 +445,10 @@ class Router:
             return None if view is None else (view, How.BASELINE, None)
         if self.fleet.prefill and req.request_id not in self.handoffs:
             if not req.resumed_tokens:
-                placed = self._whole_where_compute_spare(req, snap, early, now)
+                # whole where its tier's steps have time to spare: the prompt runs in that time, and the prefill
+                # pool's goes to the tiers whose decodes use all of theirs (its hand-off would most often come to
+                # such an instance anyway)
+                placed = self._place_in((req.tier_index,), req, snap, early, now, where=self._compute_spare)
                 if placed is not None:
                     return (*placed, None)
             # to the prefill pool with a place for its hand-off (none yet while no decode instance serves); else
@@ -485,21 +488,6 @@ class Router:
         before_scale_up, after_scale_up = self._tier_orders[own]
         return self._place_in(before_scale_up, req, snap, early, now) or \
             self._place_in(after_scale_up, req, snap, early, now, spare_growing=True)
-
-    def _whole_where_compute_spare(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
-                                   now: float) -> tuple[InstanceView, How] | None:
-        """A new request whole on an instance of its own tier whose KV, not its TPOT, bounds its batch
-        (`_compute_spare`), busiest first, where the tier test passes with the prompt's chunks among its decodes:
-        the prompt then runs in step time that instance has to spare, and a prefill instance's time goes to the
-        tiers whose decodes use all of theirs. Tried before the prefill pool, as its hand-off would most often come
-        to such an instance anyway."""
-        own, ready = req.tier_index, InstanceStatus.READY
-        for view in sorted(self.fleet.members[own], key=_load, reverse=self.gradient):
-            budget = self._budget_ms(self._held_tier(view, own))
-            if view.status is ready and self._compute_spare(view, budget) and \
-                    self._fits(view, budget, req, snap, now, early):
-                return view, How.OWN
-        return None
 
     def _compute_spare(self, view: InstanceView, budget_ms: float) -> bool:
         """Would `view`'s batch, grown at its residents' mean context until its KV is full, still step within
@@ -576,9 +564,11 @@ class Router:
         return None
 
     def _place_in(self, tiers: tuple[int, ...], req: RoutedRequest, snap: RequestSnapshot, early: float,
-                  now: float, spare_growing: bool = False) -> tuple[InstanceView, How] | None:
+                  now: float, spare_growing: bool = False,
+                  where: Callable[[InstanceView, float], bool] | None = None) -> tuple[InstanceView, How] | None:
         """The first instance of `tiers` (scanned in order) that attains `req`; `spare_growing`: never a looser
-        tier's least-loaded instance while it has others (see `_convertible`)."""
+        tier's least-loaded instance while it has others (see `_convertible`); `where(view, its TPOT budget in ms)`:
+        only instances it holds true of."""
         fits, members, queues, own = self._fits, self.fleet.members, self.queues, req.tier_index
         ready = InstanceStatus.READY
         for tier in tiers:
@@ -590,8 +580,10 @@ class Router:
             if spare_growing and how is How.DEMOTED and len(views) > 1:
                 views = views[1:]
             for view in views:
-                if view.status is ready and fits(view, self._budget_ms(self._held_tier(view, own)), req, snap, now,
-                                                 early):
+                if view.status is not ready:
+                    continue
+                budget = self._budget_ms(self._held_tier(view, own))
+                if (where is None or where(view, budget)) and fits(view, budget, req, snap, now, early):
                     return view, how
         return None
 
