@@ -92,7 +92,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -120,13 +120,15 @@ EXPERIMENTS = ("matrix", "autoscaled", "speed", "calibration", "scan", "pd")
 PD_LINK = "nvlink"  # the PD experiment's KV link (scheduler/transfer.py)
 # PD mode: the routers compared, each with its engine policy as in the matrix, and the prefill shares of the fleet
 # each is searched at (a static split, the best per policy of these and of one more between its best and the better
-# neighbour, as DistServe sizes its split offline; a step beyond the grid while the best is at its edge); the shares
-# start below the lowest of an earlier, narrower range, where every baseline's best split lay
+# neighbour, as DistServe sizes its split offline; a step beyond the grid while the best is at its edge): a grid of
+# PD_SHARE_STEP around the fluid bound's split (`pd_shares`), which lies near every router's best on the
+# conversation trace and far above the middle on the prompt-heavy code trace
 PD_POLICIES = ("polyserve", "mixed-deadline-admission", "mixed-deadline", "least-loaded", "random")
 # the pairings PD stacks ship with (random, least-loaded, each with the FCFS engine); the deadline-aware PD baselines
 # beside them run PolyServe's own engine policy, stronger than any pairing alone: the ratio is given to both
 PD_PAIRINGS = ("least-loaded", "random")
-PD_PREFILL_SHARES = (0.375, 0.4375, 0.5, 0.5625, 0.625)
+PD_SHARE_STEP = 0.0625
+PD_SHARE_OFFSETS = (-2, -1, 0, 1, 2)  # in steps, around the fluid split
 # The headroom target (scheduler/headroom.py) of the fleet each rule is measured on, every policy's alike, as an
 # operator sets it for the attainment its fleet is held to: each margin lets this share of requests miss. Measured at
 # 64 and 8 instances against both rules (bench/RESULTS.md): where a tenth of a tier may miss, packing tighter pays
@@ -1016,8 +1018,15 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple
             "searches": searches}
 
 
-def pd_splits(num_instances: int) -> list[int]:
-    return sorted({min(num_instances - 1, max(1, round(share * num_instances))) for share in PD_PREFILL_SHARES})
+def pd_shares(fluid_share: float) -> list[float]:
+    """The grid of prefill shares around `fluid_share` (the PD bound's split), rounded to the grid's step."""
+    center = round(fluid_share / PD_SHARE_STEP)
+    return [(center + k) * PD_SHARE_STEP for k in PD_SHARE_OFFSETS]
+
+
+def pd_splits(num_instances: int, shares: Sequence[float]) -> list[int]:
+    """The prefill instances of `num_instances` at each of `shares`, at least one instance of each kind."""
+    return sorted({min(num_instances - 1, max(1, round(share * num_instances))) for share in shares})
 
 
 def _best_split(goodput_by_split: dict[int, float]) -> int:
@@ -1043,7 +1052,7 @@ def pd_extended_split(goodput_by_split: dict[int, float], num_instances: int) ->
     can lie outside any fixed grid of shares."""
     splits = sorted(goodput_by_split)
     best = _best_split(goodput_by_split)
-    step = max(1, round((PD_PREFILL_SHARES[1] - PD_PREFILL_SHARES[0]) * num_instances))
+    step = max(1, round(PD_SHARE_STEP * num_instances))
     if len(splits) > 1 and best == splits[-1] and best < num_instances - 1:
         return min(num_instances - 1, best + step)
     if len(splits) > 1 and best == splits[0] and best > 1:
@@ -1054,11 +1063,12 @@ def pd_extended_split(goodput_by_split: dict[int, float], num_instances: int) ->
 def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
     """Goodput (headline rule) in PD mode of each of PD_POLICIES at its best split, beside co-located PolyServe
     and mixed-deadline-admission on as many instances, at each of `plan.pd_fleets` (each in the matrix's window for
-    its size), printed. A router's splits: PD_PREFILL_SHARES of the fleet, then a step further each time its best is
+    its size), printed. A router's splits: `pd_shares` of the fleet, then a step further each time its best is
     at the edge of those searched (`pd_extended_split`), then the one `pd_refined_split` finds between the best of
     these and its better neighbour."""
     bound = setup.bound()
     pd_bound = setup.bound(disaggregated=True)
+    shares = pd_shares(pd_bound.prefill_share)
     built = build_setup(setup)
     co_budget = co_chunk_budget(built.model, built.tiers, bound)
 
@@ -1067,7 +1077,7 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
                          0.7 * bound.rate(n), 1.1 * bound.rate(n), plan.rel_tol, prefill)
 
     jobs = [search(n, policy, prefill) for n in plan.pd_fleets
-            for policy, splits in [*((p, pd_splits(n)) for p in PD_POLICIES),
+            for policy, splits in [*((p, pd_splits(n, shares)) for p in PD_POLICIES),
                                    ("polyserve", [0]), ("mixed-deadline-admission", [0])]
             for prefill in splits]
     with _progress(len(jobs), "PD goodput") as progress:
@@ -1090,8 +1100,9 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
     print(f"\nPD disaggregation, {setup.workload.name}, KV over {PD_LINK} (headline goodput, req/s: every tier >= 90 % "
           f"attaining; window {', '.join(f'{plan.cell_window_s(n):g} s at {n}' for n in plan.pd_fleets)} after "
           f"{setup.warmup_s:.0f} s; the best static split of "
-          f"{', '.join(f'{x:g}' for x in PD_PREFILL_SHARES)} of the fleet prefilling, of those a step on while a "
-          f"router's best is at the edge, and of the one halfway from its best to its better neighbour):")
+          f"{', '.join(f'{x:g}' for x in shares)} of the fleet prefilling (around the PD bound's "
+          f"{pd_bound.prefill_share:.3f}), of those a step on while a router's best is at the edge, and of the one "
+          f"halfway from its best to its better neighbour):")
     rows = []
     for n in plan.pd_fleets:
         cell = [s for s in searches if s["num_instances"] == n]
@@ -1122,7 +1133,7 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
                      "ratio_to_best_pd_baseline": ratio, "best_pd_baseline": strongest["policy"],
                      "ratio_to_best_pairing": to_pairing, "best_pairing": pairing["policy"],
                      "pd_bound": pd_bound.rate(n), "co_located_bound": bound.rate(n)})
-    return {"workload": setup.workload.name, "link": PD_LINK, "shares": list(PD_PREFILL_SHARES), "searches": searches,
+    return {"workload": setup.workload.name, "link": PD_LINK, "shares": shares, "searches": searches,
             "summary": rows}
 
 

@@ -3,15 +3,22 @@ neighbour), and its runs, one per workload of the matrix with its own progress."
 import math
 
 from bench import goodput
-from bench.goodput import pd_extended_split, pd_refined_split, pd_splits
+from bench.goodput import pd_extended_split, pd_refined_split, pd_shares, pd_splits
 from cluster.sim.workload import workload_spec
 
 
 def test_the_grid_covers_each_fleet_with_at_least_one_instance_on_each_side():
-    for n in (2, 8, 16, 64):
-        splits = pd_splits(n)
-        assert splits == sorted(set(splits)) and 1 <= splits[0] and splits[-1] <= n - 1
-    assert pd_splits(64) == [24, 28, 32, 36, 40]
+    for fluid_share in (0.05, 0.5, 0.96):
+        for n in (2, 8, 16, 64):
+            splits = pd_splits(n, pd_shares(fluid_share))
+            assert splits == sorted(set(splits)) and 1 <= splits[0] and splits[-1] <= n - 1
+
+
+def test_the_grid_lies_around_the_fluid_split_rounded_to_its_step():
+    assert pd_shares(0.512) == pd_shares(0.489) == [0.375, 0.4375, 0.5, 0.5625, 0.625]
+    assert pd_splits(64, pd_shares(0.512)) == [24, 28, 32, 36, 40]
+    assert pd_splits(64, pd_shares(0.957)) == [52, 56, 60, 63]  # a prompt-heavy mix: toward all prefill
+    assert pd_splits(16, pd_shares(0.2)) == [1, 2, 3, 4, 5]
 
 
 def test_the_refined_split_lies_between_the_best_and_its_better_neighbour():

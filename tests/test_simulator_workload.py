@@ -156,6 +156,9 @@ def test_disaggregated_bound_adds_the_prompts_prefill_time():
     decode = tier_capacity(m, "a", 20.0, 20.0, 1000.0, 201.0, 10**9, 10_000, decode_only=True)
     per_request_s = 1000 * prefill_seconds_per_token(m, 512) + 1.0 / decode.requests_per_s
     assert bound.rate(8) == pytest.approx(8 / per_request_s)
+    # the fluid split: the prefill instances' share of that instance time
+    assert bound.prefill_share == pytest.approx(1000 * prefill_seconds_per_token(m, 512) / per_request_s)
+    assert fluid_bound(m, w, 10**9, 10_000).prefill_share == 0.0  # co-located: no prefill instances
 
 
 class SlowPastFifty(LinearModel):

@@ -137,6 +137,8 @@ def tier_capacity(model: LatencyModel, tier: str, tpot_ms: float, ttft_ms: float
 class FluidBound:
     tiers: tuple[TierCapacity, ...]
     shares: tuple[float, ...]  # p_k: the requests each tier must serve, as a share of all admitted ones
+    # of a PD fleet's instance time at the bound, its prefill instances' (the fluid split); 0 for a co-located one
+    prefill_share: float = 0.0
 
     def rate(self, num_instances: int) -> float:
         """lambda*: the most requests per second `num_instances` can carry for this mix."""
@@ -176,7 +178,11 @@ def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int
     for p, c in zip(shares, full):
         if p > 0 and c.requests_per_s == 0:
             raise ValueError(f"tier {c.tier}: no batch meets its deadlines, the bound is zero")
-    return FluidBound(tuple(full), shares)
+    prefill_share = 0.0
+    if prefill_s is not None:  # each tier's instance time per request holds its mean prompt's prefill (`_capacity`)
+        prefill_share = sum(p * c.mean_prompt * prefill_s for p, c in zip(shares, full) if p > 0) \
+            / sum(p / c.requests_per_s for p, c in zip(shares, full) if p > 0)
+    return FluidBound(tuple(full), shares, prefill_share)
 
 
 def prefill_seconds_per_token(model: LatencyModel, max_chunk: int) -> float:
