@@ -178,11 +178,12 @@ def fluid_bound(model: LatencyModel, workload: Workload, kv_capacity_tokens: int
     for p, c in zip(shares, full):
         if p > 0 and c.requests_per_s == 0:
             raise ValueError(f"tier {c.tier}: no batch meets its deadlines, the bound is zero")
-    prefill_share = 0.0
-    if prefill_s is not None:  # each tier's instance time per request holds its mean prompt's prefill (`_capacity`)
-        prefill_share = sum(p * c.mean_prompt * prefill_s for p, c in zip(shares, full) if p > 0) \
-            / sum(p / c.requests_per_s for p, c in zip(shares, full) if p > 0)
-    return FluidBound(tuple(full), shares, prefill_share)
+    bound = FluidBound(tuple(full), shares)
+    if prefill_s is None:
+        return bound
+    # a request's instance time (1 / rate(1)) holds its tier's mean prompt's prefill (`_capacity`)
+    prompt_s = prefill_s * sum(p * c.mean_prompt for p, c in zip(shares, full))
+    return replace(bound, prefill_share=prompt_s * bound.rate(1))
 
 
 def prefill_seconds_per_token(model: LatencyModel, max_chunk: int) -> float:
