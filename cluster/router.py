@@ -18,7 +18,8 @@ Submit assumes the request passed admission (`admissible`: an idle instance coul
 with companions (the other parallel samples of its request) is placed with them, all on one instance, the test
 counting each; a stream resumed after its instance was lost goes where its next token is predicted soonest. The test
 reads an instance through the resident summary the router keeps current (InstanceView.summary), so a scan costs
-O(log n) per instance of n residents; a step report pays the pass over them.
+O(log n) per instance of n residents; a step report pays the pass over them. A tier whose requests wait while it
+holds no instance and none is idle takes one from the loosest tier that holds any (`_take_from_loosest`).
 
 Prefill/decode disaggregation (`set_role`): prefill instances form a pool of their own, outside the tiers. PolyServe
 places a new request whole on a decode instance of its tier whose steps have time to spare (its KV bounds its batch
@@ -97,7 +98,8 @@ class Placement:
 class Event:
     """One entry of the router's decision log."""
     time: float
-    kind: str  # a How value, "queued", "queue_full", "no_instance", "joined" (tier minimum), "released", "lost"
+    kind: str  # a How value, "queued", "queue_full", "no_instance", "joined" (tier minimum), "released",
+    # "retiered" (taken by a tighter tier that held none), "lost"
     request_id: str | None
     instance_id: str | None
     tier: int | None
@@ -411,6 +413,8 @@ class Router:
                         self._log(now, "shed", req.request_id, None, req.tier_index)
                         continue
                 placed = self._place(req, now)
+                if placed is None and self._take_from_loosest(req.tier_index, now):
+                    placed = self._place(req, now)
                 if placed is None:
                     break
                 queue.popleft()
@@ -812,6 +816,28 @@ class Router:
             self.fleet.idle.remove(view)
         elif view in self.fleet.prefill:
             self.fleet.prefill.remove(view)
+
+    def _take_from_loosest(self, tier: int, now: float) -> bool:
+        """`tier`, whose requests wait and which holds no instance while none is idle, takes the least-loaded
+        instance of the loosest tier that holds any (its tier's floor allowing); True when it did. The loosest
+        tier's requests may still go on every other instance by promotion, while the waiting tier's could go on a
+        looser tier's instance only by demotion: that holds the instance to their pace only while they are there,
+        its own tier refills it at its own pace as soon as they leave, and they queue behind its batch (a small
+        decode pool, fewer instances than tiers, whose instances went to the tiers whose requests came first)."""
+        members, autoscaler = self.fleet.members, self.autoscaler
+        if self.policy != "polyserve" or members[tier] or self.fleet.idle or \
+                (autoscaler is not None and not autoscaler.can_join(self.fleet, tier)):
+            return False
+        ready = InstanceStatus.READY
+        for looser in range(len(members) - 1, tier, -1):
+            views = [view for view in members[looser] if view.status is ready]
+            if views and (autoscaler is None or autoscaler.can_release(self.fleet, looser)):
+                view = min(views, key=_load)
+                self._unlabel(view)
+                self._join(view, tier, now)
+                self._log(now, "retiered", None, view.instance_id, tier)
+                return True
+        return False
 
     def _maybe_release(self, tier: int, now: float) -> None:
         members = self.fleet.members[tier]

@@ -211,6 +211,46 @@ def test_demotion_is_tried_last_and_holds_the_looser_instance_to_the_tighter_tpo
     assert fleet(3, demotion=False).submit(request("x", 0, prompt=100, tiers=tiers), 0.01).outcome is Outcome.QUEUED
 
 
+def test_a_waiting_tier_that_holds_no_instance_takes_the_loosest_tiers_when_none_is_idle():
+    """Two instances went to std and batch before any tight request came: a tight request that fits on neither
+    waits, and when it is retried the least-loaded instance of the loosest tier joins tight; its batch residents
+    stay, the tight request goes on once they leave room, and batch requests are promoted from then on. Not while
+    an instance is idle, nor below the looser tier's floor."""
+    def fleet(**limits) -> Router:
+        router = make_router(**limits)
+        ready(router, "s0", "b0")
+        fill(router, "s0", STD, 3)  # both full: a fourth 1000-token request overflows either's KV
+        fill(router, "b0", BATCH, 3)
+        return router
+
+    router = fleet()
+    t = request("t", TIGHT)
+    assert router.submit(t, 0.0).outcome is Outcome.QUEUED
+    assert router.retry_queued(0.01) == []  # b0 joined tight, but its three batch requests leave no room yet
+    assert router.fleet["b0"].tier == TIGHT and router.fleet["s0"].tier == STD
+    assert router.fleet.members[BATCH] == [] and router.counts["retiered"] == 1
+    router.on_finished("b0-2-0", 100, 0.02)  # b0, holding no tight request, goes idle; tight is retried first
+    assert [(p.request.request_id, p.instance_id) for p in router.retry_queued(0.02)] == [("t", "b0")]
+    assert router.fleet["b0"].tier == TIGHT
+    router.on_finished("s0-1-0", 100, 0.03)
+    d = router.submit(request("b-new", BATCH, arrival=0.03), 0.03)  # batch holds no instance now: promoted
+    assert (d.outcome, d.how) == (Outcome.PLACED, How.PROMOTED)
+    assert router.counts["retiered"] == 1
+
+    router = fleet()
+    ready(router, "spare")  # an idle instance: the tight request scales it up and nothing is taken
+    assert router.submit(request("t", TIGHT), 0.0).instance_id == "spare"
+    assert router.fleet["b0"].tier == BATCH and router.counts["retiered"] == 0
+
+    router = make_router(min_per_tier=1)  # one instance a tier, tight's lost: the floor keeps the others where they are
+    ready(router, "t0", "s0", "b0")
+    fill(router, "s0", STD, 3)
+    fill(router, "b0", BATCH, 3)
+    assert router.on_lost("t0", 0.0) == []
+    assert router.submit(request("t", TIGHT), 0.0).outcome is Outcome.QUEUED
+    assert router.retry_queued(0.01) == [] and router.counts["retiered"] == 0
+
+
 def test_scale_up_takes_an_idle_instance_into_the_tier_and_respects_its_cap():
     router = make_router(max_per_tier=2)
     ready(router, "s0", "idle0", "idle1")
