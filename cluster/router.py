@@ -830,9 +830,8 @@ class Router:
             return False
         ready = InstanceStatus.READY
         for looser in range(len(members) - 1, tier, -1):
-            views = [view for view in members[looser] if view.status is ready]
-            if views and (autoscaler is None or autoscaler.can_release(self.fleet, looser)):
-                view = min(views, key=_load)
+            view = min((v for v in members[looser] if v.status is ready), key=_load, default=None)
+            if view is not None and (autoscaler is None or autoscaler.can_release(self.fleet, looser)):
                 self._unlabel(view)
                 self._join(view, tier, now)
                 self._log(now, "retiered", None, view.instance_id, tier)
