@@ -183,7 +183,7 @@ def cpu_seconds(pid: int) -> float:
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
                 total += int(stat.read().split()[0])
-        except FileNotFoundError:  # a thread that ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
             pass
     return total / 1e9
 
