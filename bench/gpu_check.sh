@@ -2,14 +2,15 @@
 # The GPU checks in one run, under 8 minutes on an H200, measurements first: install the project (the CUDA C++
 # extension is optional: a toolchain that cannot build it leaves a warning), the kernel microbenchmarks judged
 # against the targets with the default attention tile config and again with the legacy one, an engine serving
-# varied load that must compile no Triton kernel after its warm-up, then every `gpu`-marked test in the time left.
+# varied load that must compile no Triton kernel after its warm-up, the KV pull between two processes with the
+# caches on the GPU, then every `gpu`-marked test in the time left.
 #
 #   OUT=/some/folder bench/gpu_check.sh
 #
 # Writes into $OUT: results.md (the stages, the full kernel tables, and last the judged summary with the two tile
 # configs side by side), kernels.json + kernels.md, kernels_legacy.json + kernels_legacy.md, bench.log,
-# serving.log, pytest.log, install.log, gpu.txt. Each stage has its own time limit, so one stuck stage cannot eat
-# the others'; the tests get what is left of the 8 minutes.
+# serving.log, kv_transfer.md, pytest.log, install.log, gpu.txt. Each stage has its own time limit, so one stuck
+# stage cannot eat the others'; the tests get what is left of the 8 minutes.
 # The GPU image has no package registry: the image's own torch/triton stand in for the project's pins (hence
 # --no-deps); a package it lacks can ride along as wheels in .whl/ (installed first when present).
 set -u -o pipefail
@@ -69,6 +70,12 @@ served=$(grep -m1 '^start-up' "$OUT/serving.log" || tail -n 1 "$OUT/serving.log"
 note "| python -m bench.serving_compiles --seconds 50 (exit $serving_rc: 0 = no compile after warm-up) | ${served:0:220} | $(( $(elapsed) - stage_start )) |"
 
 stage_start=$(elapsed)
+timeout 45 $PY -m bench.kv_transfer --device cuda --models llama-3.1-8b --dtypes bfloat16 --tokens 2048,8192 \
+    --repeats 3 > "$OUT/kv_transfer.md" 2>&1
+kv_rc=$?
+note "| python -m bench.kv_transfer --device cuda (exit $kv_rc) | see kv_transfer.md | $(( $(elapsed) - stage_start )) |"
+
+stage_start=$(elapsed)
 left=$(( BUDGET_S - $(elapsed) ))
 if [ "$left" -lt 30 ]; then left=30; fi
 timeout "$left" $PY -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors > "$OUT/pytest.log" 2>&1
@@ -78,7 +85,7 @@ note ""
 note "Total $(elapsed) s."
 grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | head -n 60 | sed 's/^/    /' >> "$SUMMARY"
 { echo; echo '```'; cat "$OUT/serving.log" | tail -n 40; echo '```'; echo; } >> "$SUMMARY"
-for table in kernels.md kernels_legacy.md; do
+for table in kernels.md kernels_legacy.md kv_transfer.md; do
     if [ -f "$OUT/$table" ]; then cat "$OUT/$table" >> "$SUMMARY"; echo >> "$SUMMARY"; fi
 done
 cat "$SUMMARY"
@@ -87,4 +94,4 @@ echo
 reports=()
 for results in kernels.json kernels_legacy.json; do [ -f "$OUT/$results" ] && reports+=("$OUT/$results"); done
 if [ -f "$OUT/kernels.json" ]; then $PY -m bench.kernels --report "${reports[@]}" | tee -a "$SUMMARY"; fi
-[ "$bench_rc" -eq 0 ] && [ "$legacy_rc" -eq 0 ] && [ "$serving_rc" -eq 0 ] && [ "$pytest_rc" -eq 0 ]
+[ "$bench_rc" -eq 0 ] && [ "$legacy_rc" -eq 0 ] && [ "$serving_rc" -eq 0 ] && [ "$kv_rc" -eq 0 ] && [ "$pytest_rc" -eq 0 ]

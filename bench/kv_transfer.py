@@ -2,7 +2,7 @@
 
     python -m bench.kv_transfer [--models smollm2-135m,llama-3.1-8b] [--dtypes bfloat16,float32]
                                 [--tokens 512,2048,8192] [--chunk-bytes 1048576] [--receiver buffered|streams]
-                                [--repeats 3] [--max-bytes 1073741824]
+                                [--repeats 3] [--max-bytes 1073741824] [--device cpu|cuda]
 
 One request's prompt KV, in a cache of the model's shape whose blocks lie scattered (a shuffled block table), goes
 from a sender process to this one over 127.0.0.1. The KV path is the cluster's pull (cluster/worker.py): the sender
@@ -25,6 +25,10 @@ it read chunks into their place). The KV frames are read by the pull's reader in
 copy with `StreamWriter` in both. The first repeat checks that the blocks that landed hold the bytes sent. Payloads
 above --max-bytes are skipped (this side holds each one three times over while checking it). Figures depend on the
 load of the machine: give the load average.
+
+--device cuda puts both caches on the GPU: the pull then goes device -> pinned host -> socket -> pinned host ->
+device (the sender's checksums taken on the device, the receiver's too), timed until the last copy onto the device is
+done; the plain copy is the same host-to-host socket copy, the reference the issue sets.
 """
 from __future__ import annotations
 
@@ -74,10 +78,10 @@ class Case:
     def payload_bytes(self) -> int:
         return self.num_blocks * self.layout.block_bytes
 
-    def cache(self) -> torch.Tensor:
+    def cache(self, device: str) -> torch.Tensor:
         layout = self.layout
         return torch.empty(layout.num_layers, 2, self.num_blocks + SPARE_BLOCKS, BLOCK_SIZE, layout.num_kv_heads,
-                           layout.head_dim, dtype=DTYPES[self.dtype])
+                           layout.head_dim, dtype=DTYPES[self.dtype], device=device)
 
     def block_ids(self) -> list[int]:
         """The request's block table: the same on both sides, so that the receiver can check what landed."""
@@ -99,11 +103,11 @@ class Command(msgspec.Struct, array_like=True):
 
 
 # ---- the sender process ------------------------------------------------------------------------------------------
-def sender_main(port: int, kv_port: int, cases: list[Case], chunk_bytes: int) -> None:
-    asyncio.run(_sender(port, kv_port, cases, chunk_bytes))
+def sender_main(port: int, kv_port: int, cases: list[Case], chunk_bytes: int, device: str) -> None:
+    asyncio.run(_sender(port, kv_port, cases, chunk_bytes, device))
 
 
-async def _sender(port: int, kv_port: int, cases: list[Case], chunk_bytes: int) -> None:
+async def _sender(port: int, kv_port: int, cases: list[Case], chunk_bytes: int, device: str) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     _, kv_writer = await asyncio.open_connection("127.0.0.1", kv_port)
     kv_socket = kv_writer.get_extra_info("socket")
@@ -116,9 +120,9 @@ async def _sender(port: int, kv_port: int, cases: list[Case], chunk_bytes: int) 
         case = cases[command.case]
         if command.case != current:
             cache = source = None  # the last case's memory goes before the next one's is taken
-            cache, block_ids = case.cache(), case.block_ids()
-            cache.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(command.case))
-            source = memoryview(read_blocks(cache, block_ids))
+            cache, block_ids = case.cache(device), case.block_ids()
+            cache.view(torch.uint8).random_(0, 256, generator=torch.Generator(device).manual_seed(command.case))
+            source = memoryview(read_blocks(cache.cpu(), block_ids))
             current = command.case
         if command.op == "prepare":
             writer.write(b"\x01")
@@ -226,7 +230,7 @@ class Row:
                 f"{kv / self.case.tokens * 1e6:.2f} | {cpu(self.plain)} | {cpu(self.kv)} |")
 
 
-async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repeats: int) -> None:
+async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repeats: int, device: str) -> None:
     """Prints a row per case as it is done."""
     loop = asyncio.get_running_loop()
     accepted = loop.create_future()
@@ -240,7 +244,7 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
     kv_server.setblocking(False)
     port, kv_port = server.sockets[0].getsockname()[1], kv_server.getsockname()[1]
     process = multiprocessing.get_context("spawn").Process(target=sender_main,
-                                                           args=(port, kv_port, cases, chunk_bytes))
+                                                           args=(port, kv_port, cases, chunk_bytes, device))
     process.start()
     if receiver_kind == "buffered":
         await link.connected
@@ -256,7 +260,7 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
 
     try:
         for index, case in enumerate(cases):
-            cache, block_ids = case.cache(), case.block_ids()
+            cache, block_ids = case.cache(device), case.block_ids()
             cache.zero_()
             plain = torch.empty(case.payload_bytes, dtype=torch.uint8)
             row = Row(case, [], [])
@@ -280,9 +284,11 @@ async def measure(cases: list[Case], chunk_bytes: int, receiver_kind: str, repea
                 while not receiver.complete:  # as the decode worker's pull (`_PeerKv.frames`) feeds its receiver
                     receiver.receive(await kv_link.read_message(chunk_memory=receiver.chunk_memory))
                 receiver.apply()
+                if cache.is_cuda:
+                    torch.cuda.synchronize()
                 row.kv.append(watch.stop())
                 if repeat == 0:  # what landed is what was sent, in its blocks
-                    assert receiver.complete and np.array_equal(read_blocks(cache, block_ids), plain.numpy())
+                    assert receiver.complete and np.array_equal(read_blocks(cache.cpu(), block_ids), plain.numpy())
                     cache.zero_()
                 del receiver
             print(row.line(), flush=True)
@@ -317,7 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--receiver", choices=("buffered", "streams"), default="buffered")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-bytes", type=int, default=1 << 30)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     for model in args.models.split(","):
         if model not in SHAPES:
             parser.error(f"unknown model {model!r}: one of {', '.join(SHAPES)}")
@@ -335,11 +344,12 @@ def main(argv: list[str] | None = None) -> None:
     cases = [c for c in cases if c.payload_bytes <= args.max_bytes]
     for case in skipped:
         print(f"skipped {case.label}: {case.payload_bytes / 2**20:.0f} MiB is over --max-bytes")
-    print(f"chunks of {args.chunk_bytes} bytes, receiver {args.receiver}, median of {args.repeats}")
+    print(f"chunks of {args.chunk_bytes} bytes, receiver {args.receiver}, caches on {args.device}, "
+          f"median of {args.repeats}")
     print("| model | dtype | prompt tokens | MiB | plain copy GB/s | KV transfer GB/s | of plain | "
           "added TTFT ms / 1k tokens | plain copy CPU ms, sender + receiver | KV transfer CPU ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    asyncio.run(measure(cases, args.chunk_bytes, args.receiver, args.repeats))
+    asyncio.run(measure(cases, args.chunk_bytes, args.receiver, args.repeats, args.device))
 
 
 if __name__ == "__main__":
