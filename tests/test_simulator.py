@@ -2,6 +2,7 @@
 engine's own step loop, fast-forward equivalence, determinism, and that it drives the live system's objects."""
 from __future__ import annotations
 
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -271,6 +272,55 @@ def test_gives_up_only_when_the_target_is_out_of_reach(h200):
             assert cut.end_time < full.end_time
         else:
             np.testing.assert_array_equal(cut.attained, full.attained)
+
+
+def test_gives_up_at_the_first_token_deadlines_a_queue_lets_pass(h200):
+    """A request still without its first token at its deadline has missed, whenever that token comes: one instance
+    that places everything at once, taking long prompts one after another, is given up by the tick after the
+    second-token deadline of the window's request that puts the misses over the allowance, not when that request's
+    late token finally comes out."""
+    from cluster.sim.workload import Workload
+
+    model, tiers, _ = h200
+    n, window = 40, (2.0, 8.0)
+    arrivals = 2.0 + 0.01 * np.arange(n)
+    w = Workload(arrivals, np.full(n, 8000), np.full(n, 4), np.zeros(n, dtype=np.int8), tiers)
+    config = SimConfig(num_instances=1, router_policy="least-loaded", engine_policy="fcfs")
+    full = Simulator(config, tiers, model).run(w)
+    cut = Simulator(config, tiers, model).run(w, window=window, give_up_below=0.9)
+    due = arrivals + tiers[0].ttft_ms / 1000.0
+    missed_first = np.sort(due[~(full.ttft <= tiers[0].ttft_ms / 1000.0)])
+    allowed = int(0.1 * n)
+    assert len(missed_first) > allowed and full.attainment(window) < 0.9
+    known = missed_first[allowed]  # the deadline that puts the misses over the allowance
+    given_up_by = known + tiers[0].tpot_ms / 1000.0 + config.tick_s
+    first_out = arrivals + np.nan_to_num(full.ttft, nan=np.inf)
+    assert first_out[due == known].min() > given_up_by  # its token comes later than the give-up
+    assert cut.aborted and known < cut.end_time <= given_up_by
+
+
+def test_gives_up_on_hand_offs_a_full_decode_pool_refuses(h200):
+    """PD mode: hand-offs whose decode instance has no room are tried again at every tick, their first token out;
+    once their second token's deadline passes they have missed, and the run is given up by the tick after the one
+    that puts the misses over the allowance."""
+    from cluster.sim.workload import Workload
+
+    model, tiers, _ = h200
+    n, window = 40, (2.0, 8.0)
+    arrivals = 2.0 + 0.01 * np.arange(n)
+    w = Workload(arrivals, np.full(n, 64), np.full(n, 400), np.zeros(n, dtype=np.int8), tiers)
+    config = SimConfig(num_instances=2, prefill_instances=1, router_policy="least-loaded", engine_policy="fcfs",
+                       num_kv_blocks=256)
+    full = Simulator(replace(config, record_token_times=True), tiers, model).run(w)
+    cut = Simulator(config, tiers, model).run(w, window=window, give_up_below=0.9)
+    assert full.counts["import_refused"] > 0 and full.attainment(window) < 0.9
+    second_due = arrivals + (tiers[0].ttft_ms + tiers[0].tpot_ms) / 1000.0
+    second_out = np.array([times[1] if times is not None and len(times) > 1 else np.inf
+                           for times in full.token_times])
+    late = np.sort(second_due[second_out > second_due])  # the deadlines of the second tokens that came late
+    allowed = int(0.1 * n)
+    assert len(late) > allowed
+    assert cut.aborted and cut.end_time <= late[allowed] + config.tick_s < second_out[second_due == late[allowed]].min()
 
 
 def test_autoscaled_fleet_follows_a_phase_change(h200):

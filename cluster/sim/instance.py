@@ -66,7 +66,7 @@ class SimRequest:
     host_tier: str = ""  # the tier of that instance when placed (differs from `tier` when promoted)
     token_times: list[float] | None = None  # every emit time, kept only when asked (tests, calibration)
     token_instances: list[str] | None = None  # with token_times: the instance that emitted each token
-    tally: "MissTally | None" = None  # counted once, the first time one of its tokens is late
+    tally: "MissTally | None" = None  # where it is counted missed, once (`count_missed`)
     standing: int = ON_TIME  # as its instance's headroom reads it (`scheduler.headroom`)
     first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
     tpot_s: float = field(init=False)
@@ -100,9 +100,16 @@ class SimRequest:
         """A token emitted `late` seconds after its deadline (negative: early): keep the worst, and count the
         request as missed the first time one is late."""
         if late > self.worst_lateness:
-            if late > 0 >= self.worst_lateness and self.tally is not None:
-                self.tally.missed += 1
+            if late > 0 >= self.worst_lateness:
+                self.count_missed()
             self.worst_lateness = late
+
+    def count_missed(self) -> None:
+        """It missed its SLO (a token late, refused, given up, or no first token by its deadline): counted in its
+        tally the first time, and never again."""
+        if self.tally is not None:
+            self.tally.missed += 1
+            self.tally = None
 
 
 @dataclass(slots=True, frozen=True)

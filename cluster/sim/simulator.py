@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -242,8 +243,10 @@ class Simulator:
         """Simulates `workload` until every request has finished (or `until`, when given).
 
         With `give_up_below`, the run stops (`aborted`) as soon as so many requests arriving in `window` have missed
-        their SLO (a token late, refused, rejected) that their attainment can no longer reach it: a goodput search
-        only needs to know that, and an overloaded fleet is the slowest thing to simulate."""
+        their SLO (a token late, refused, rejected, or its first or second token not out by its deadline) that their
+        attainment can no longer reach it: a goodput search only needs to know that, and an overloaded fleet is the
+        slowest thing to simulate (its queues, and the hand-offs a full decode pool refuses, hold the requests that
+        will miss)."""
         if give_up_below is not None and window is None:
             raise ValueError("give_up_below needs the window it is measured over")
         wall0 = time.perf_counter()
@@ -277,6 +280,9 @@ class Simulator:
         else:
             allowed = math.inf
         aborted = False
+        # with give_up_below, the window's requests by tier in arrival order (so in deadline order): at a tick, those
+        # whose first or second token is past its deadline and not out are counted missed (`_count_overdue`)
+        awaiting: dict[str, deque[SimRequest]] | None = {} if math.isfinite(allowed) else None
         expected = cfg.expected_output_tokens or (float(workload.output_lens.mean()) if len(workload) else 128.0)
         self.router = router = self._build_router(expected)
         capacity = cfg.kv_blocks * cfg.block_size
@@ -326,6 +332,8 @@ class Simulator:
                     sreq.token_instances = []
                 if window is not None and window[0] <= t < window[1]:
                     sreq.tally = self._tally
+                    if awaiting is not None:
+                        awaiting.setdefault(sreq.tier, deque()).append(sreq)
                 requests[i - 1] = sreq
                 self._requests_by_id[sreq.request_id] = sreq
                 self._arrive(sreq, k, t)
@@ -338,6 +346,8 @@ class Simulator:
             elif kind == TRANSFER_END:
                 self._import(*payload, t)
             elif kind == TICK:
+                if awaiting is not None:
+                    _count_overdue(awaiting, t)
                 if self._tally.missed > allowed:
                     aborted = True
                     break
@@ -385,8 +395,7 @@ class Simulator:
             self._unfinished += 1
         else:
             self._rejected.add(sreq.request_id)
-            if sreq.tally is not None:
-                sreq.tally.missed += 1
+            sreq.count_missed()
 
     def _place(self, sreq: SimRequest, instance_id: str, now: float) -> None:
         view = self.router.fleet.instances[instance_id]
@@ -420,8 +429,7 @@ class Simulator:
             self._free_prefill_blocks(sreq, now)
             self._unfinished -= 1
             self._rejected.add(sreq.request_id)
-            if sreq.tally is not None and sreq.worst_lateness <= 0:
-                sreq.tally.missed += 1
+            sreq.count_missed()
 
     def _start_transfer(self, sreq: SimRequest, instance_id: str, now: float) -> None:
         """Placed on decode instance `instance_id`: it takes the blocks of the prompt's KV, or refuses (then the
@@ -457,8 +465,7 @@ class Simulator:
             sreq = self._requests_by_id[routed.request_id]
             self._unfinished -= 1
             self._rejected.add(sreq.request_id)
-            if sreq.tally is not None:
-                sreq.tally.missed += 1
+            sreq.count_missed()
 
     def _on_finish(self, inst: SimInstance, finished: list[SimRequest], now: float) -> None:
         self._sync_reports(now)
@@ -595,3 +602,14 @@ class Simulator:
             handed_off=np.array([r is not None and r.request_id in self._handed_off for r in requests],
                                 dtype=bool) if self.config.prefill_instances else None)
 
+
+def _count_overdue(awaiting: dict[str, deque[SimRequest]], now: float) -> None:
+    """Takes off `awaiting` the requests whose second token is due before `now`, and counts missed, once, those
+    whose first or second token is not out and would have had to be (their output is longer): they can no longer
+    attain (their tokens, when they come, are not counted again). The second token covers a hand-off that waits
+    for room on a decode instance, its first token out on the prefill instance."""
+    for waiting in awaiting.values():
+        while waiting and waiting[0].first_token_due + waiting[0].tpot_s < now:
+            sreq = waiting.popleft()
+            if sreq.num_output_tokens < 2 and not sreq.finished:
+                sreq.count_missed()
