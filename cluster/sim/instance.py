@@ -105,8 +105,8 @@ class SimRequest:
             self.worst_lateness = late
 
     def count_missed(self) -> None:
-        """It missed its SLO (a token late, refused, given up, or no first token by its deadline): counted in its
-        tally the first time, and never again."""
+        """It missed its SLO (a token late, refused, given up, or its first or second token not out by its
+        deadline): counted in its tally the first time, and never again."""
         if self.tally is not None:
             self.tally.missed += 1
             self.tally = None
