@@ -279,12 +279,10 @@ def test_gives_up_at_the_first_token_deadlines_a_queue_lets_pass(h200):
     that places everything at once, taking long prompts one after another, is given up by the tick after the
     second-token deadline of the window's request that puts the misses over the allowance, not when that request's
     late token finally comes out."""
-    from cluster.sim.workload import Workload
-
     model, tiers, _ = h200
     n, window = 40, (2.0, 8.0)
     arrivals = 2.0 + 0.01 * np.arange(n)
-    w = Workload(arrivals, np.full(n, 8000), np.full(n, 4), np.zeros(n, dtype=np.int8), tiers)
+    w = workload(arrivals, [8000] * n, [4] * n, tiers)
     config = SimConfig(num_instances=1, router_policy="least-loaded", engine_policy="fcfs")
     full = Simulator(config, tiers, model).run(w)
     cut = Simulator(config, tiers, model).run(w, window=window, give_up_below=0.9)
@@ -303,12 +301,10 @@ def test_gives_up_on_hand_offs_a_full_decode_pool_refuses(h200):
     """PD mode: hand-offs whose decode instance has no room are tried again at every tick, their first token out;
     once their second token's deadline passes they have missed, and the run is given up by the tick after the one
     that puts the misses over the allowance."""
-    from cluster.sim.workload import Workload
-
     model, tiers, _ = h200
     n, window = 40, (2.0, 8.0)
     arrivals = 2.0 + 0.01 * np.arange(n)
-    w = Workload(arrivals, np.full(n, 64), np.full(n, 400), np.zeros(n, dtype=np.int8), tiers)
+    w = workload(arrivals, [64] * n, [400] * n, tiers)
     config = SimConfig(num_instances=2, prefill_instances=1, router_policy="least-loaded", engine_policy="fcfs",
                        num_kv_blocks=256)
     full = Simulator(replace(config, record_token_times=True), tiers, model).run(w)
