@@ -12,7 +12,8 @@ The default run is the goodput matrix (DESIGN.md §6), the fleet stepping on the
 cluster.sim.workload.MATRIX_WORKLOADS x --fleets instances, and --leader-fleets for PolyServe and the best baseline
 of each workload (the best at the largest of --fleets). Per cell: the headline goodput (every tier >= 90 %
 attaining) and the strict one (>= 99 % of all requests), each on the fleet configured for it (RULE_HEADROOM_TARGETS:
-the share of requests its margins let miss) and each the highest rate passing on every seed below the lowest failing
+the share of requests its margins let miss; RULE_COSTLY_SHARES: the share of a tier the router may refuse for cost
+when it has no place) and each the highest rate passing on every seed below the lowest failing
 one (cluster.sim.goodput.search_goodput; "?" marks one not confirmed by a failure within the tolerance above it),
 its share of the fluid bound of the same rule, its ratio to the best baseline of the cell, and each tier's
 attainment at the headline goodput under the three views of DESIGN.md §1 (cumulative deadlines, mean TPOT, max
@@ -135,6 +136,10 @@ PD_SHARE_OFFSETS = (-2, -1, 0, 1, 2)  # in steps, around the fluid split
 # until the margins' misses and the refused requests together pass the tenth; where 1 % of all may, a smaller share
 # holds the margins' misses well under it, and a smaller one still refuses more than it saves.
 RULE_HEADROOM_TARGETS = {EVERY_TIER.name: 0.02, STRICT.name: 0.005}
+# The share of each tier the router may refuse for cost when it has no place (scheduler/costly.py), every policy's
+# alike: where a tenth of a tier may miss, what the margins leave of that tenth goes to the costliest prompts of a
+# tier that queues (bench/RESULTS.md); where 1 % of all may, none.
+RULE_COSTLY_SHARES = {EVERY_TIER.name: 0.06, STRICT.name: 0.0}
 REFERENCE_WORKLOAD = "conv-4tier"  # the default workload: the error sweep's and the tier-attainment plot's
 SPEED_INSTANCES = 64
 
@@ -142,18 +147,20 @@ SPEED_INSTANCES = 64
 @dataclass(slots=True, frozen=True)
 class Setup:
     """What every worker process rebuilds the same way (`build_setup`): a workload of the matrix, the latency
-    model, the measured window (`window_s` after `warmup_s`; a run ends with it), the fleet's true step time and the
-    headroom target of the fleet (that of the rule it is measured by: `for_rule`)."""
+    model, the measured window (`window_s` after `warmup_s`; a run ends with it), the fleet's true step time, and
+    the headroom target and costly share of the fleet (those of the rule it is measured by: `for_rule`)."""
     workload: WorkloadSpec
     latency_profile: str | None
     warmup_s: float
     window_s: float
     prediction_error: str = "gpu-typical"  # scheduler.prediction_error.PREDICTION_ERRORS: the fleet's true step time
     headroom_target: float = RULE_HEADROOM_TARGETS[EVERY_TIER.name]
+    costly_share: float = RULE_COSTLY_SHARES[EVERY_TIER.name]
 
     def for_rule(self, rule: GoodputRule) -> "Setup":
         """This setup on the fleet configured for `rule`."""
-        return replace(self, headroom_target=RULE_HEADROOM_TARGETS[rule.name])
+        return replace(self, headroom_target=RULE_HEADROOM_TARGETS[rule.name],
+                       costly_share=RULE_COSTLY_SHARES[rule.name])
 
     @property
     def error(self) -> PredictionError:
@@ -265,7 +272,8 @@ def _simulate(setup: Setup, policy: str, num_instances: int, co_budget: int, rat
     can no longer reach it."""
     built = build_setup(setup)
     sim = make_simulator(policy, num_instances, built.model, built.tiers, co_budget, prefill_instances, seed=seed,
-                         prediction_error=setup.error, headroom_target=setup.headroom_target)
+                         prediction_error=setup.error, headroom_target=setup.headroom_target,
+                         costly_share=setup.costly_share)
     return sim.run(setup.poisson(rate, seed), window=setup.window, give_up_below=give_up_below)
 
 

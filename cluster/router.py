@@ -11,10 +11,13 @@ decided, so the live service (cluster/service.py) and the fleet simulator drive 
 tells it what happened, it answers what to do:
   instances  add_instance, on_ready (-> placements of queued requests), start_draining, remove_instance,
              on_lost (-> the residents, unplaced, for the caller to readmit or end)
-  requests   submit (-> Decision: placed, queued, queue full, no instance), on_report (a step's progress),
+  requests   submit (-> Decision: placed, queued, queue full, refused for its cost, no instance), on_report (a
+             step's progress),
              on_load (KV in use between steps), on_finished, withdraw, retry_queued (-> placements)
   reading    fleet (cluster.fleet.Fleet), queue_length, waiting_tiers, events, counts
-Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all). A request
+Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all); one that
+finds no place and whose prompt is among its tier's costliest `costly_share` is refused then (scheduler/costly.py),
+not queued. A request
 with companions (the other parallel samples of its request) is placed with them, all on one instance, the test
 counting each; a stream resumed after its instance was lost goes where its next token is predicted soonest. The test
 reads an instance through the resident summary the router keeps current (InstanceView.summary), so a scan costs
@@ -46,6 +49,7 @@ from cluster.fleet import Fleet, InstanceStatus, InstanceView, RoutedRequest
 from cluster.protocol import Resident
 from engine.config import ROLES
 from scheduler.attainability import Attainability, AttainabilityChecker
+from scheduler.costly import CostlyShare
 from scheduler.instance_state import InstanceState, RequestSnapshot
 from scheduler.headroom import DEFAULT_TARGET, Headroom
 from scheduler.latency_model import LatencyModel
@@ -67,6 +71,7 @@ class Outcome(enum.Enum):
     PLACED = "placed"
     QUEUED = "queued"
     QUEUE_FULL = "queue_full"  # answer 429 with retry_after_s
+    COSTLY = "costly"  # no place now, and among its tier's costliest (`CostlyShare`): answer 429 with retry_after_s
     NO_INSTANCE = "no_instance"  # none serving or starting, none can be started: answer 503
 
 
@@ -119,7 +124,7 @@ class Router:
                  expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000,
                  gradient: bool = True, promotion: str = "lazy", shed_late: bool = True,
                  transfer: TransferModel | None = None, headroom_target: float = DEFAULT_TARGET,
-                 demotion: bool = True):
+                 demotion: bool = True, costly_share: float = 0.0):
         """`latency_model` is where the router's predictions start: it refines them from the steps the instances
         report (`OnlineLatencyModel`), and holds each tier's instances to the tier's TPOT less a margin fed back
         from its requests' outcomes (`Headroom`), as each engine does for its chunks (DESIGN.md §2, learning under
@@ -147,7 +152,11 @@ class Router:
         prefill placement reserves before the first-token deadline and the decode placement waits for.
 
         `headroom_target`: the share of requests each margin lets miss (`Headroom.target`): both margins of every
-        tier, the TPOT one and the first-token one, settle where that share of their requests miss."""
+        tier, the TPOT one and the first-token one, settle where that share of their requests miss.
+
+        `costly_share`: the share of each tier's requests that may be refused for their cost when the fleet has no
+        place for them (`CostlyShare`): a new request that would queue and whose prompt is among its tier's
+        costliest that share is refused at once. Zero refuses none for cost."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
@@ -164,6 +173,7 @@ class Router:
         self.headroom = [Headroom(headroom_target) for _ in tiers]  # by the tier whose TPOT an instance is held to
         # by request tier: the share of TTFT planned
         self.first_token_headroom = [Headroom(headroom_target) for _ in tiers]
+        self.costly = [CostlyShare(costly_share) for _ in tiers]
         self.fleet = Fleet(len(tiers))
         # one queue per tier under every policy: "least-loaded-admission" ignores tiers in placement only, and
         # waiting as PolyServe's requests wait (the same bound per tier, retried tightest tier first, each tier in
@@ -292,6 +302,7 @@ class Router:
             for r in (req, *req.companions):
                 if r.request_id in self.requests:
                     raise ValueError(f"request {r.request_id!r} is already placed or queued")
+            self.costly[req.tier_index].arrived(req.num_prompt_tokens)
         if readmit and not req.late:
             # a resumed stream's first token from here is not its first: it has no TTFT of its own to keep
             req.late = req.resumed_tokens > 0 or not self._on_time_possible(req, now)
@@ -306,6 +317,9 @@ class Router:
             self._log(now, "no_instance", req.request_id, None, req.tier_index)
             return Decision(Outcome.NO_INSTANCE)
         queue = self.queues[req.tier_index]
+        if not readmit and self.costly[req.tier_index].refuse(req.num_prompt_tokens):
+            self._log(now, "costly", req.request_id, None, req.tier_index)
+            return Decision(Outcome.COSTLY, retry_after_s=self.retry_after(req.tier_index))
         if not readmit and len(queue) >= self.queue_limit:
             self._log(now, "queue_full", req.request_id, None, req.tier_index)
             return Decision(Outcome.QUEUE_FULL, retry_after_s=self.retry_after(req.tier_index))

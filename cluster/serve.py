@@ -93,6 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--serve-late", action="store_true",
                     help="serve a queued request whose first token can no longer be on time (default: answer it "
                          "429 at once, keeping the capacity for requests still on time)")
+    ap.add_argument("--costly-share", type=float, default=0.0,
+                    help="share of each tier's requests that may be refused (429) for their cost when the fleet has "
+                         "no place for them: a request that would queue with a prompt among its tier's costliest "
+                         "this share (scheduler/costly.py). Set it to what a tier may miss beyond the latency "
+                         "margins' share, e.g. 0.06 where every tier is held to 90 %%; 0 refuses none for cost")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     ap.add_argument("--warm-spares", type=int, default=None,
                     help="engine processes kept started but unattached, so that a replacement or a new instance "
@@ -146,7 +151,7 @@ def build_backend(args: argparse.Namespace) -> RouterBackend:
     transfer = TransferModel(LINKS[args.kv_link], kv_bytes) if args.prefill_instances else None
     router = Router(config.tier_set, latency_model, policy=args.router_policy, autoscaler=Autoscaler(limits),
                     queue_limit=args.queue_limit, shed_late=not args.serve_late, max_prefill_chunk=config.prefill_chunk,
-                    transfer=transfer, headroom_target=config.headroom_target)
+                    transfer=transfer, headroom_target=config.headroom_target, costly_share=args.costly_share)
     service = RouterService(router, launcher=build_launcher(args, config, limits.max_instances),
                             heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations)
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)

@@ -969,3 +969,23 @@ def test_placements_equal_those_of_the_reference_test_through_random_events():
         [(i, sorted(v.residents)) for i, v in sorted(ref.fleet.instances.items())]
     assert all(outcomes.get(k) for k in ("own", "promoted", "scaled_up", "queued")), outcomes
     assert any(h.num_missed for h in fast.first_token_headroom)  # placements were planned with first-token margins
+
+
+def test_costly_share_refuses_a_long_prompt_only_when_it_would_queue():
+    router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=1, idle_pool=0)),
+                    queue_limit=8, costly_share=0.1)
+    ready(router, "a")
+    for i in range(300):  # the tier's recent prompts: 100 to 1000 tokens, each served and gone
+        r = request(f"h{i}", STD, prompt=100 + 3 * i)
+        assert router.submit(r, 0.0).outcome is Outcome.PLACED
+        router.on_finished(r.request_id, 100, 0.0)
+    assert router.submit(request("long-with-room", STD, prompt=1000), 0.0).outcome is Outcome.PLACED
+    router.on_finished("long-with-room", 100, 0.0)
+    fill(router, "a", STD, 3)  # its KV is full now
+    assert router.submit(request("mid", STD, prompt=800), 0.0).outcome is Outcome.QUEUED  # not among the costliest
+    refused = router.submit(request("long", STD, prompt=1000), 0.0)
+    assert refused.outcome is Outcome.COSTLY and refused.retry_after_s >= 1 and "long" not in router.requests
+    assert router.counts["costly"] == 1 and router.queue_length(STD) == 1
+    # a request placed again after its instance was lost is never refused for its cost
+    again = request("lost", STD, prompt=1000)
+    assert router.submit(again, 0.0, readmit=True).outcome is Outcome.QUEUED

@@ -14,7 +14,7 @@ import pytest
 from conftest import completion_text, openai_client, serving_fleet
 
 from cluster.backend import RouterBackend
-from cluster.router import Router
+from cluster.router import Decision, Outcome, Router
 from cluster.service import RouterService
 from engine import SamplingParams
 from engine.api_server import ServerThread, build_app
@@ -103,6 +103,19 @@ def test_full_queue_answers_429_with_retry_after(cluster):
         results = [f.result(timeout=120) for f in futures]  # the queued one is served too, none dropped
     assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 400 for r in results)
     assert router.counts["queue_full"] >= 1
+
+
+def test_refused_for_cost_answers_429_with_the_reason(monkeypatch):
+    tiers = TierSet([Tier("std", 50, 1000)])
+    router = Router(tiers, emulated_latency_model(), costly_share=0.06)
+    monkeypatch.setattr(router, "submit", lambda routed, now: Decision(Outcome.COSTLY, retry_after_s=2.5))
+    backend = RouterBackend(RouterService(router), "m", 4096, None)
+    with ServerThread(build_app(backend)) as server:
+        with pytest.raises(openai.RateLimitError) as err:
+            openai_client(server).completions.create(model="m", prompt=[1, 2, 3], max_tokens=4)
+        assert int(err.value.response.headers["retry-after"]) == 3
+        assert "3-token prompt is among the tier's costliest 6%" in str(err.value)
+    assert not backend.service.streams  # nothing of it is left behind
 
 
 def test_no_instance_answers_503():

@@ -334,3 +334,26 @@ def test_autoscaled_fleet_follows_a_phase_change(h200):
     tight_after = np.mean([s[1][0] for s in res.samples if 30 <= s[0] < 40])
     assert tight_after > tight_before  # the inverted mix sends far more tight requests
     assert res.attainment() > 0.8
+
+
+def test_costly_share_refuses_long_prompts_past_capacity_and_none_with_room(h200):
+    """Past capacity, a tier that queues refuses some of its longest prompts at once, within its share; with room,
+    the share changes nothing."""
+    model, tiers, factory = h200
+    w = factory.poisson(400.0, 4.0, 1)
+    sim = Simulator(SimConfig(num_instances=4, costly_share=0.06), tiers, model)
+    res = sim.run(w)
+    refused = np.array([int(e.request_id[1:]) for e in sim.router.events if e.kind == "costly"])
+    assert len(refused) and res.counts["costly"] == len(refused)
+    assert res.counts["rejected"] == res.counts["queue_full"] + res.counts["shed"] + res.counts["costly"]
+    assert not res.served[refused].any()
+    for k in range(len(tiers)):
+        of_tier = w.tier_index == k
+        mine = refused[w.tier_index[refused] == k]
+        assert len(mine) <= 0.06 * of_tier.sum()
+        if len(mine):
+            assert w.prompt_lens[mine].min() >= np.quantile(w.prompt_lens[of_tier], 0.85)
+    _, calm = fleet_run(h200, costly_share=0.06)
+    _, calm_plain = fleet_run(h200)
+    assert calm.counts.get("costly", 0) == 0
+    assert (calm.attained == calm_plain.attained).all() and (calm.ttft == calm_plain.ttft).all()

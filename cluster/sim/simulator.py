@@ -45,6 +45,7 @@ from cluster.router import InstanceReport, Outcome, Router
 from cluster.sim.instance import IDLE, MissTally, SimInstance, SimRequest
 from scheduler.transfer import LINKS, transfer_model
 from cluster.sim.workload import REFUSED, Workload
+from scheduler.costly import check_costly_share
 from scheduler.headroom import DEFAULT_TARGET, Headroom, check_headroom_target
 from scheduler.latency_model import LatencyModel
 from scheduler.online_fit import online_latency_model
@@ -73,6 +74,7 @@ class SimConfig:
     queue_limit: int = 256
     shed_late: bool = True  # the router gives up a queued request that can no longer be on time (Router)
     headroom_target: float = DEFAULT_TARGET  # the share of requests each margin lets miss, router's and engines'
+    costly_share: float = 0.0  # the share of each tier the router may refuse for cost when it has no place (Router)
     # the most steps an instance's report is held back while nothing placement depends on changed, as the worker's
     # --report-every-steps (cluster/step_reports.py); 1: a report every step
     report_every_steps: int = 1
@@ -107,6 +109,7 @@ class SimConfig:
         if self.report_every_steps < 1:
             raise ValueError(f"report_every_steps must be positive, got {self.report_every_steps}")
         check_headroom_target(self.headroom_target)
+        check_costly_share(self.costly_share)
         if self.transfer not in LINKS:
             raise ValueError(f"transfer must be one of {', '.join(LINKS)}, got {self.transfer!r}")
         if self.prefill_instances < 0:
@@ -212,7 +215,7 @@ class Simulator:
         return Router(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
                       queue_limit=cfg.queue_limit, shed_late=cfg.shed_late, max_prefill_chunk=cfg.max_prefill_chunk,
                       expected_output_tokens=expected_output, seed=cfg.seed, headroom_target=cfg.headroom_target,
-                      **transfer, **self.router_kwargs)
+                      costly_share=cfg.costly_share, **transfer, **self.router_kwargs)
 
     def _new_instance(self, now: float, prefill: bool = False) -> str:
         instance_id = f"i{self._next_instance}"

@@ -1,0 +1,69 @@
+"""Which requests a fleet past its capacity refuses first (DESIGN.md §2, the costly share).
+
+A rule that lets each tier miss a share of its requests (the headline rule: every tier at 90 %) is met best by
+missing the requests that cost the most, as the rule's own bound does (DESIGN.md §1: the costliest tenth of each
+tier dropped). Left alone, a fleet at its edge misses whichever requests queue at the wrong moment, and serves the
+costly ones that then crowd out several cheap ones each. What a request will cost is known at arrival only by its
+prompt: its prefill, its transfer and the KV its decode holds all grow with it, and a long prompt is no more likely
+to come with a long output (the conversation and code traces of the matrix).
+
+So, per tier: a request that finds no place at once (it would queue) and whose prompt is among the tier's costliest
+`share` of recent prompts is refused at once, while the refusals this made stay within `share` of the tier's recent
+arrivals. A fleet with room places every request and refuses none; only a tier that queues spends its allowance,
+and never more than `share` of it. The operator sets `share` to what the rule lets a tier miss beyond what the
+margins of prediction error already do (zero: none refused for cost, the default).
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+# How many of a tier's latest arrivals its costliest share and its refusals are counted over: enough for a
+# quantile near the tail, few enough to follow the mix of the last seconds of a busy tier.
+RECENT_ARRIVALS = 2000
+# Below this many arrivals seen, no quantile is trusted and nothing is refused for cost.
+MIN_ARRIVALS = 200
+
+
+def check_costly_share(share: float) -> None:
+    """Refuses a share outside [0, 1)."""
+    if not 0 <= share < 1:
+        raise ValueError(f"costly share must lie in [0, 1), got {share}")
+
+
+@dataclass(slots=True)
+class CostlyShare:
+    """One tier's recent prompts and the refusals made for cost among its recent arrivals."""
+    share: float = 0.0
+    recent: int = RECENT_ARRIVALS
+    _prompts: deque = field(default_factory=deque, init=False)  # (prompt tokens, refused) in arrival order
+    _sorted: list = field(default_factory=list, init=False)  # the same prompt lengths, sorted
+    _num_refused: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        check_costly_share(self.share)
+        if self.recent < MIN_ARRIVALS:
+            raise ValueError(f"recent must be at least {MIN_ARRIVALS}, got {self.recent}")
+
+    def arrived(self, prompt_tokens: int) -> None:
+        """A new request of the tier (not one placed again after its instance was lost)."""
+        if len(self._prompts) == self.recent:
+            old, refused = self._prompts.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+            self._num_refused -= refused
+        self._prompts.append((prompt_tokens, False))
+        bisect.insort(self._sorted, prompt_tokens)
+
+    def refuse(self, prompt_tokens: int) -> bool:
+        """The tier's latest arrival, of `prompt_tokens`, found no place at once: is it refused for its cost? It is
+        when its prompt is at or above the tier's costliest `share` of recent prompts and the refusals stay within
+        `share` of the recent arrivals with it; counted as one of them when so."""
+        seen = len(self._sorted)
+        if not self.share or seen < MIN_ARRIVALS or self._num_refused + 1 > self.share * seen:
+            return False
+        if prompt_tokens < self._sorted[min(seen - 1, int((1.0 - self.share) * seen))]:
+            return False
+        self._prompts[-1] = (self._prompts[-1][0], True)
+        self._num_refused += 1
+        return True
