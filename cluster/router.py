@@ -317,7 +317,7 @@ class Router:
             self._log(now, "no_instance", req.request_id, None, req.tier_index)
             return Decision(Outcome.NO_INSTANCE)
         queue = self.queues[req.tier_index]
-        if not readmit and self.costly[req.tier_index].refuse(req.num_prompt_tokens):
+        if not readmit and self.costly[req.tier_index].refuse():
             self._log(now, "costly", req.request_id, None, req.tier_index)
             return Decision(Outcome.COSTLY, retry_after_s=self.retry_after(req.tier_index))
         if not readmit and len(queue) >= self.queue_limit:

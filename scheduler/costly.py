@@ -47,7 +47,10 @@ class CostlyShare:
             raise ValueError(f"recent must be at least {MIN_ARRIVALS}, got {self.recent}")
 
     def arrived(self, prompt_tokens: int) -> None:
-        """A new request of the tier (not one placed again after its instance was lost)."""
+        """A new request of the tier (not one placed again after its instance was lost). Without a share nothing is
+        kept: every request of a router passes here."""
+        if not self.share:
+            return
         if len(self._prompts) == self.recent:
             old, refused = self._prompts.popleft()
             del self._sorted[bisect.bisect_left(self._sorted, old)]
@@ -55,15 +58,16 @@ class CostlyShare:
         self._prompts.append((prompt_tokens, False))
         bisect.insort(self._sorted, prompt_tokens)
 
-    def refuse(self, prompt_tokens: int) -> bool:
-        """The tier's latest arrival, of `prompt_tokens`, found no place at once: is it refused for its cost? It is
-        when its prompt is at or above the tier's costliest `share` of recent prompts and the refusals stay within
-        `share` of the recent arrivals with it; counted as one of them when so."""
+    def refuse(self) -> bool:
+        """The tier's latest arrival found no place at once: is it refused for its cost? It is when its prompt is
+        at or above the tier's costliest `share` of recent prompts and the refusals stay within `share` of the recent
+        arrivals with it; counted as one of them when so."""
         seen = len(self._sorted)
-        if not self.share or seen < MIN_ARRIVALS or self._num_refused + 1 > self.share * seen:
+        if seen < MIN_ARRIVALS or self._num_refused + 1 > self.share * seen:
             return False
+        prompt_tokens = self._prompts[-1][0]
         if prompt_tokens < self._sorted[min(seen - 1, int((1.0 - self.share) * seen))]:
             return False
-        self._prompts[-1] = (self._prompts[-1][0], True)
+        self._prompts[-1] = (prompt_tokens, True)
         self._num_refused += 1
         return True

@@ -19,11 +19,11 @@ def test_refuses_only_prompts_among_the_costliest_share():
     random.Random(0).shuffle(prompts)
     arrivals(share, prompts)
     share.arrived(400)
-    assert not share.refuse(400)  # a median prompt is served whatever the load
+    assert not share.refuse()  # a median prompt is served whatever the load
     share.arrived(940)
-    assert not share.refuse(940)  # the 94th percentile is not among the costliest 5 %
+    assert not share.refuse()  # the 94th percentile is not among the costliest 5 %
     share.arrived(990)
-    assert share.refuse(990)
+    assert share.refuse()
 
 
 def test_refusals_stay_within_the_share_of_arrivals():
@@ -33,7 +33,7 @@ def test_refusals_stay_within_the_share_of_arrivals():
     refused = 0
     for _ in range(3000):
         share.arrived(5000)
-        refused += share.refuse(5000)
+        refused += share.refuse()
     assert 0 < refused
     # over any window of the last `recent` arrivals the refusals are at most the share of them
     assert refused <= 0.06 * 1000 * 3 + 1
@@ -43,13 +43,13 @@ def test_nothing_refused_without_a_share_or_before_enough_arrivals():
     none = CostlyShare(0.0)
     arrivals(none, range(1000))
     none.arrived(10**6)
-    assert not none.refuse(10**6)
+    assert not none.refuse()
     early = CostlyShare(0.5)
     arrivals(early, range(MIN_ARRIVALS - 2))
     early.arrived(10**6)
-    assert not early.refuse(10**6)
+    assert not early.refuse()
     early.arrived(10**6)
-    assert early.refuse(10**6)  # the MIN_ARRIVALS-th arrival may be
+    assert early.refuse()  # the MIN_ARRIVALS-th arrival may be
 
 
 def test_follows_the_tiers_recent_prompts():
@@ -57,7 +57,7 @@ def test_follows_the_tiers_recent_prompts():
     arrivals(share, [8000] * MIN_ARRIVALS)  # a burst of long prompts, then only short ones
     arrivals(share, [100] * MIN_ARRIVALS)
     share.arrived(2000)
-    assert share.refuse(2000)  # long against the last `recent` prompts, though short against the burst
+    assert share.refuse()  # long against the last `recent` prompts, though short against the burst
 
 
 def test_bad_settings_are_refused_by_name():
