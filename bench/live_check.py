@@ -9,8 +9,9 @@ Per prediction-error preset (scheduler/prediction_error.py):
    at 4 instances: the Llama-3.1-8B/H200 roofline times --time-scale (the default tiers derived from it, so they
    scale too), the conv-4tier workload, Poisson arrivals over --duration seconds, attainment of the requests
    arriving after --warmup, batch limits and KV pool as SimConfig's defaults, every request's output length known
-   (the live replay sends max_tokens = its output length, ignore_eos), the router's and the engines' margins at the
-   headline rule's headroom target (bench.goodput.RULE_HEADROOM_TARGETS), on both sides.
+   (the live replay sends max_tokens = its output length, ignore_eos), the fleet configured for the headline rule
+   on both sides: the router's and the engines' margins at its headroom target, the router's costly share at its
+   (bench.goodput.RULE_HEADROOM_TARGETS, RULE_COSTLY_SHARES).
 2. The live fleet: 4 `cluster.worker` processes whose emulated executors sleep the preset's truth (their draws
    seeded by --seed and their instance ids), behind the router service (cluster.sim.calibration.replay_on_fleet),
    the workload of --seed at --load x that goodput sent in real time, then drained. The simulator runs the same
@@ -21,10 +22,11 @@ Per prediction-error preset (scheduler/prediction_error.py):
 
 The preset's host time, stalls and noise are absolute or relative to the unscaled step and are not scaled with
 --time-scale: the simulator and the engines both step on them as they are. Requests the router refuses (429: shed
-once their first token can no longer be on time, or a full queue) or that end without their whole output count as
-misses. Stalls are time that neither the truth nor the fitted host time explains (the CPU taken by another process):
-no simulator can know of them, so a run with many says little about the simulator. On this 2-core machine the time
-scale must leave the four engines and the router enough CPU to keep up: --time-scale 2 does with the machine quiet.
+once their first token can no longer be on time, a full queue, or among the costly share) or that end without their
+whole output count as misses. Stalls are time that neither the truth nor the fitted host time explains (the CPU
+taken by another process): no simulator can know of them, so a run with many says little about the simulator. On
+this 2-core machine the time scale must leave the four engines and the router enough CPU to keep up: --time-scale 2
+does with the machine quiet.
 
 Written to <out>/live_check.json.
 """
@@ -42,7 +44,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.goodput import RULE_HEADROOM_TARGETS
+from bench.goodput import RULE_COSTLY_SHARES, RULE_HEADROOM_TARGETS
 from cluster.sim.calibration import attained, replay_on_fleet, simulated_with_host_time, write_emulated_model_folder
 from cluster.sim.goodput import EVERY_TIER, fluid_bound, search_goodput
 from cluster.sim.simulator import SimConfig, Simulator
@@ -80,7 +82,8 @@ class Deployment:
     def config(self, seed: int) -> SimConfig:
         return SimConfig(num_instances=NUM_INSTANCES, reveal_output_len=True,
                          prediction_error=prediction_error(self.preset), seed=seed,
-                         headroom_target=RULE_HEADROOM_TARGETS[EVERY_TIER.name])
+                         headroom_target=RULE_HEADROOM_TARGETS[EVERY_TIER.name],
+                         costly_share=RULE_COSTLY_SHARES[EVERY_TIER.name])
 
     def poisson(self, rate: float, seed: int) -> Workload:
         return self.workloads.poisson(rate, self.duration_s, seed)
@@ -150,7 +153,8 @@ def live_check(dep: Deployment, rate: float, seed: int) -> dict:
                                  cfg.kv_blocks, max_num_seqs=cfg.max_num_seqs,
                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
                                  max_prefill_chunk=cfg.max_prefill_chunk, model=dep.model,
-                                 prediction_error=dep.preset, step_seed=seed, headroom_target=cfg.headroom_target)
+                                 prediction_error=dep.preset, step_seed=seed, headroom_target=cfg.headroom_target,
+                                 costly_share=cfg.costly_share)
         live = asyncio.run(_with_progress(replay, dep.duration_s, f"{dep.preset}: live fleet"))
     plain = Simulator(cfg, dep.tiers, dep.model).run(w)
     with_host = simulated_with_host_time(cfg, dep.tiers, dep.model, w, live)
@@ -189,7 +193,8 @@ def print_check(dep: Deployment, search: dict, check: dict, load: float, wall_s:
           f"{','.join(map(str, search['seeds']))}")
     print(f"live at {load:g} x goodput = {check['rate']:.2f} req/s, seed {check['seed']}: {check['requests']} requests "
           f"({check['requests_in_window']} in the window, {check['refused_at_admission']} refused at admission); "
-          f"live refused 429 (shed late or queue full) {check['live_refused_429']}, failed {check['live_failed']}; "
+          f"live refused 429 (shed late, queue full or costly) {check['live_refused_429']}, "
+          f"failed {check['live_failed']}; "
           f"simulator refused {check['sim_rejected']} ({check['sim_shed']} shed late)")
     print(f"engines' host time beyond the truth they slept: {check['host_time_s'] * 1000:.2f} ms + "
           f"{check['host_time_per_seq_s'] * 1e6:.1f} us per sequence per step (added to the simulator's steps); "

@@ -5,7 +5,8 @@ synthetic steps were given and counts as stall only what it cannot explain; and 
 time to every step. The same comparisons in real time depend on how busy the machine is, which no test controls:
 they are the benchmark (`python -m bench.calibration_replay`). A short replay through a live prefill/decode fleet
 (emulated engine processes behind the router service) serves every request whole, its first token from a prefill
-engine and the rest from one decode engine, and the simulator replays it in the same split."""
+engine and the rest from one decode engine, and the simulator replays it in the same split; a burst through a live
+fleet with a costly share is refused only its costliest prompts."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ from cluster.sim.calibration import (STALL_THRESHOLD_S, busy_gaps, EngineReplay,
                                      replay_on_engine, replay_on_fleet, simulated_with_host_time, write_emulated_model_folder)
 from cluster.sim.simulator import SimConfig
 from cluster.sim.workload import Workload
+from scheduler.costly import MIN_ARRIVALS
 from scheduler.prediction_error import PredictionError
 from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import Tier, TierSet
@@ -160,6 +162,26 @@ def test_live_pd_fleet_hands_every_request_from_a_prefill_to_a_decode_engine(tmp
     assert sim.served.all() and sim.handed_off.tolist() == (output_lens > 1).tolist()
     with pytest.raises(ValueError, match="not the replayed fleet's"):
         simulated_with_host_time(dataclasses.replace(config, prefill_instances=2), tiers, model, w, live)
+
+
+def test_live_fleet_refuses_only_the_costliest_prompts_of_a_burst_it_cannot_place(tmp_path):
+    """A burst far past one engine's first-token deadlines, through the live router with a costly share and no
+    shedding: every request it refuses is among the longest prompts of those that came before it, none comes before
+    the share has enough arrivals to judge, they stay within the share, and every other request is served whole."""
+    model = emulated_latency_model(1.0)
+    tiers = TierSet([Tier("tight", tpot_ms=50.0, ttft_ms=300.0)])
+    n, share = MIN_ARRIVALS + 60, 0.1
+    prompts = 64 + (np.arange(n) * 97) % 900  # every length once in each run of 900 / gcd: a spread of costs
+    w = Workload(0.0005 * np.arange(n), prompts, np.full(n, 2), np.zeros(n, np.int8), tiers)
+    live = asyncio.run(replay_on_fleet(w, 1.0, 1, write_emulated_model_folder(tmp_path), 4096, max_num_seqs=64,
+                                       max_num_batched_tokens=2048, max_prefill_chunk=2048, model=model,
+                                       shed_late=False, costly_share=share))
+    refused = [i for i, times in enumerate(live.token_times) if times is None]
+    assert live.failed == 0 and live.refused == len(refused) > 0
+    assert min(refused) >= MIN_ARRIVALS and len(refused) <= share * n
+    for i in refused:
+        assert prompts[i] >= np.quantile(prompts[:i + 1], 1.0 - share, method="lower"), f"request {i}"
+    assert all(len(times) == 2 for times in live.token_times if times is not None)
 
 
 def test_live_latencies_of_the_requests_that_emitted_tokens():

@@ -185,7 +185,7 @@ class FleetReplay:
     order; None: refused by the router (counted in `refused`), or ended without its whole output (in `failed`)."""
     token_times: list[list[float] | None]
     failed: int
-    refused: int  # answered 429: a full queue, or shed once it could no longer be on time
+    refused: int  # answered 429: a full queue, the costly share, or shed once it could no longer be on time
     wall_s: float
     steps: dict[str, int]  # steps each engine reported
     # as EngineReplay's, fitted to the step reports of every engine
@@ -228,13 +228,15 @@ async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: 
                           num_kv_blocks: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                           max_prefill_chunk: int, model: LatencyModel, prediction_error: str = "exact",
                           step_seed: int = 0, shed_late: bool = True, prefill_instances: int = 0,
-                          transfer: str = "nvlink", headroom_target: float = DEFAULT_TARGET) -> FleetReplay:
+                          transfer: str = "nvlink", headroom_target: float = DEFAULT_TARGET,
+                          costly_share: float = 0.0) -> FleetReplay:
     """Runs `workload` through a live fleet: `num_instances` emulated engine processes (each sleeping, per step,
     the truth of `model`, the emulated latency model at `time_scale`, under the `prediction_error` preset, its draws
     seeded by `step_seed` and its instance id; batch policy PolyServe), attached to a RouterService whose Router
     (policy polyserve, no autoscaler: the fleet is fixed, as in the simulator) places every request. Each request
     is sent at its arrival with max_tokens = its output length (ignore_eos), so it ends exactly there. `shed_late`:
     the Router's (False: every request served, however late). `headroom_target`: the router's and the engines'.
+    `costly_share`: the Router's (`scheduler.costly`), as SimConfig's for the simulator.
 
     `prefill_instances` > 0: that many of the engines are started with role prefill and the rest with role decode
     (the launcher's rule), and the router counts a hand-off's KV as crossing the `transfer` link (a preset of
@@ -244,7 +246,8 @@ async def replay_on_fleet(workload: Workload, time_scale: float, num_instances: 
                          f"got {prefill_instances}")
     router = Router(workload.tiers, model, max_prefill_chunk=max_prefill_chunk, shed_late=shed_late,
                     expected_output_tokens=float(workload.output_lens.mean()) if len(workload) else 128.0,
-                    transfer=transfer_model(transfer) if prefill_instances else None, headroom_target=headroom_target)
+                    transfer=transfer_model(transfer) if prefill_instances else None, headroom_target=headroom_target,
+                    costly_share=costly_share)
     launcher = LocalLauncher(EngineConfig(model=model_folder, executor="emulated", num_kv_blocks=num_kv_blocks,
                                           time_scale=time_scale, max_num_seqs=max_num_seqs,
                                           max_num_batched_tokens=max_num_batched_tokens,
@@ -365,7 +368,8 @@ def host_time(stats, slept: Sequence[float], gaps: Sequence[float] = (),
 
 def simulated_with_host_time(config: SimConfig, tiers, model: LatencyModel, workload: Workload,
                              replay: EngineReplay | FleetReplay,
-                             policy_factory: Callable[[LatencyModel, Headroom], BatchPolicy] | None = None) -> SimResult:
+                             policy_factory: Callable[[LatencyModel, Headroom], BatchPolicy] | None = None
+                             ) -> SimResult:
     """The simulator on `workload` with `replay`'s fitted host time added to every step, on top of the host time
     of the config's prediction error; `policy_factory` as the Simulator takes it (the live engine's policy). A fleet
     replay's prefill/decode split and KV link are the simulator's too: a config naming another split is refused."""
