@@ -10,8 +10,8 @@ Per prediction-error preset (scheduler/prediction_error.py):
    scale too), the conv-4tier workload, Poisson arrivals over --duration seconds, attainment of the requests
    arriving after --warmup, batch limits and KV pool as SimConfig's defaults, every request's output length known
    (the live replay sends max_tokens = its output length, ignore_eos), the fleet configured for the headline rule
-   on both sides: the router's and the engines' margins at its headroom target, the router's costly share at its
-   (bench.goodput.RULE_HEADROOM_TARGETS, RULE_COSTLY_SHARES).
+   on both sides: the router's and the engines' margins at the rule's headroom target, and the router's costly
+   share the rule's (bench.goodput.RULE_HEADROOM_TARGETS, RULE_COSTLY_SHARES).
 2. The live fleet: 4 `cluster.worker` processes whose emulated executors sleep the preset's truth (their draws
    seeded by --seed and their instance ids), behind the router service (cluster.sim.calibration.replay_on_fleet),
    the workload of --seed at --load x that goodput sent in real time, then drained. The simulator runs the same

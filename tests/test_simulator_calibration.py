@@ -171,7 +171,7 @@ def test_live_fleet_refuses_only_the_costliest_prompts_of_a_burst_it_cannot_plac
     model = emulated_latency_model(1.0)
     tiers = TierSet([Tier("tight", tpot_ms=50.0, ttft_ms=300.0)])
     n, share = MIN_ARRIVALS + 60, 0.1
-    prompts = 64 + (np.arange(n) * 97) % 900  # every length once in each run of 900 / gcd: a spread of costs
+    prompts = 64 + (np.arange(n) * 97) % 900  # distinct lengths (97 and 900 are coprime) spread over 64-963
     w = Workload(0.0005 * np.arange(n), prompts, np.full(n, 2), np.zeros(n, np.int8), tiers)
     live = asyncio.run(replay_on_fleet(w, 1.0, 1, write_emulated_model_folder(tmp_path), 4096, max_num_seqs=64,
                                        max_num_batched_tokens=2048, max_prefill_chunk=2048, model=model,
