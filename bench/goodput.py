@@ -144,6 +144,12 @@ REFERENCE_WORKLOAD = "conv-4tier"  # the default workload: the error sweep's and
 SPEED_INSTANCES = 64
 
 
+def rule_fleet(rule: GoodputRule) -> dict[str, float]:
+    """The settings of the fleet `rule` is measured on, as SimConfig and the router take them: the margins' headroom
+    target and the router's costly share."""
+    return {"headroom_target": RULE_HEADROOM_TARGETS[rule.name], "costly_share": RULE_COSTLY_SHARES[rule.name]}
+
+
 @dataclass(slots=True, frozen=True)
 class Setup:
     """What every worker process rebuilds the same way (`build_setup`): a workload of the matrix, the latency
@@ -159,8 +165,7 @@ class Setup:
 
     def for_rule(self, rule: GoodputRule) -> "Setup":
         """This setup on the fleet configured for `rule`."""
-        return replace(self, headroom_target=RULE_HEADROOM_TARGETS[rule.name],
-                       costly_share=RULE_COSTLY_SHARES[rule.name])
+        return replace(self, **rule_fleet(rule))
 
     @property
     def error(self) -> PredictionError:

@@ -11,7 +11,7 @@ Per prediction-error preset (scheduler/prediction_error.py):
    arriving after --warmup, batch limits and KV pool as SimConfig's defaults, every request's output length known
    (the live replay sends max_tokens = its output length, ignore_eos), the fleet configured for the headline rule
    on both sides: the router's and the engines' margins at the rule's headroom target, and the router's costly
-   share the rule's (bench.goodput.RULE_HEADROOM_TARGETS, RULE_COSTLY_SHARES).
+   share the rule's (bench.goodput.rule_fleet).
 2. The live fleet: 4 `cluster.worker` processes whose emulated executors sleep the preset's truth (their draws
    seeded by --seed and their instance ids), behind the router service (cluster.sim.calibration.replay_on_fleet),
    the workload of --seed at --load x that goodput sent in real time, then drained. The simulator runs the same
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.goodput import RULE_COSTLY_SHARES, RULE_HEADROOM_TARGETS
+from bench.goodput import rule_fleet
 from cluster.sim.calibration import attained, replay_on_fleet, simulated_with_host_time, write_emulated_model_folder
 from cluster.sim.goodput import EVERY_TIER, fluid_bound, search_goodput
 from cluster.sim.simulator import SimConfig, Simulator
@@ -81,9 +81,7 @@ class Deployment:
 
     def config(self, seed: int) -> SimConfig:
         return SimConfig(num_instances=NUM_INSTANCES, reveal_output_len=True,
-                         prediction_error=prediction_error(self.preset), seed=seed,
-                         headroom_target=RULE_HEADROOM_TARGETS[EVERY_TIER.name],
-                         costly_share=RULE_COSTLY_SHARES[EVERY_TIER.name])
+                         prediction_error=prediction_error(self.preset), seed=seed, **rule_fleet(EVERY_TIER))
 
     def poisson(self, rate: float, seed: int) -> Workload:
         return self.workloads.poisson(rate, self.duration_s, seed)
