@@ -47,27 +47,33 @@ class ModelRunner:
                     with torch.inference_mode():
                         self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_model_len, self.block_size,
                                                    self.device)
-                self._warm_up_eager_steps(max_model_len)
+                self._warm_up_eager_steps(max_model_len, config.max_num_seqs)
 
     @torch.inference_mode()
-    def _warm_up_eager_steps(self, max_model_len: int) -> None:
-        """The forward of a step with a decode row and a two-token prefill row, once with a short longest context
-        and once with the longest the engine allows: every kernel variant an eager step launches (decode tiles
-        with and without split-KV, the merge, prefill tiles) compiles now, not in the first step that needs it.
-        The rows write no KV (slot -1) and read block 0, zeroed first so that nothing computes on stale memory."""
+    def _warm_up_eager_steps(self, max_model_len: int, max_num_seqs: int) -> None:
+        """The forward of a step with decode rows and a two-token prefill row, once with a short longest context
+        and once with the longest the engine allows, and with one decode row and (where the engine allows that
+        many) as many as take the long decode tile: every kernel variant an eager step launches (both decode tile
+        lengths, with and without split-KV, the merge, prefill tiles) compiles now, not in the first step that
+        needs it. The rows write no KV (slot -1) and read block 0, zeroed first so that nothing computes on stale
+        memory."""
+        from kernels.attention import LONG_DECODE_MIN_SEQS  # Triton: only where Triton kernels run
+
         dev = self.device
         self.kv_cache[:, :, 0].zero_()
-        for max_seq_len in (2, max_model_len):
-            set_context(AttentionContext(
-                slot_mapping=torch.full((3,), -1, dtype=torch.long, device=dev),
-                block_tables=torch.zeros((2, 1), dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([1, 2], dtype=torch.int32, device=dev),
-                query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32, device=dev),
-                max_seq_len=max_seq_len, max_query_len=2, num_decodes=1))
-            try:
-                self.model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev))
-            finally:
-                set_context(None)
+        for decodes in sorted({1, min(LONG_DECODE_MIN_SEQS, max_num_seqs)}):
+            for max_seq_len in (2, max_model_len):
+                set_context(AttentionContext(
+                    slot_mapping=torch.full((decodes + 2,), -1, dtype=torch.long, device=dev),
+                    block_tables=torch.zeros((decodes + 1, 1), dtype=torch.int32, device=dev),
+                    seq_lens=torch.tensor([1] * decodes + [2], dtype=torch.int32, device=dev),
+                    query_start_loc=torch.tensor([*range(decodes + 1), decodes + 2], dtype=torch.int32, device=dev),
+                    max_seq_len=max_seq_len, max_query_len=2, num_decodes=decodes))
+                try:
+                    self.model(torch.zeros(decodes + 2, dtype=torch.long, device=dev),
+                               torch.tensor([0] * decodes + [0, 1], device=dev))
+                finally:
+                    set_context(None)
 
     def _blocks_that_fit(self, kv_cache_memory: int, gpu_memory_utilization: float) -> int:
         per_block = self.cfg.kv_bytes_per_token(self.dtype) * self.block_size

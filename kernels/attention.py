@@ -32,6 +32,9 @@ MAX_HEAD_DIM = 256  # tuned for 64 and 128; other sizes run padded to a power of
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (its Q load, its partial write, the merge) dominates
 MAX_SPLITS = 32
+# Decode launches of at least this many rows take the long decode tile (see _tile_config); the model runner's
+# warm-up launches one of this size so that both tile lengths compile before serving.
+LONG_DECODE_MIN_SEQS = 64
 # The tile shapes of the attention launches (see _tile_config): "pipelined", the default, or "legacy", the one
 # before it, kept selectable so that a GPU run measures both.
 TILE_CONFIGS = ("pipelined", "legacy")
@@ -53,6 +56,53 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, tile_start, kv_hi, query_pos, block_table_row, k_cache_ptr, v_cache_ptr, kv_head,
+                 dims, dim_valid, scale_log2, stride_k_block, stride_k_slot, stride_k_head, stride_v_block,
+                 stride_v_slot, stride_v_head, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One K/V tile folded into the online softmax (acc, m_i, l_i). Unmasked: every key of the tile exists and is
+    visible to every row, so the loads and scores go without masks and no row's maximum can stay -inf."""
+    keys = tile_start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        key_valid = keys < kv_hi
+        physical_block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+    else:
+        physical_block = tl.load(block_table_row + keys // BLOCK_SIZE).to(tl.int64)
+    slot = keys % BLOCK_SIZE
+    k_offsets = physical_block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
+    v_offsets = physical_block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+    if MASKED:
+        k = tl.load(k_cache_ptr + k_offsets[None, :] + dims[:, None], mask=key_valid[None, :] & dim_valid[:, None],
+                    other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + k_offsets[None, :] + dims[:, None], mask=dim_valid[:, None], other=0.0)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_shift = m_new
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(scores - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :],
+                    other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=dim_valid[None, :], other=0.0)
+    if UPCAST_DOT:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 # Batch sizes and the block-table width change every step, and the prefill launch of a mixed batch starts its
@@ -89,7 +139,9 @@ def _paged_attention_kernel(
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         first_query = 0
     else:
-        q_block = tl.program_id(0) + first_token // BLOCK_Q
+        # Later query blocks of a sequence see more keys: numbered last-first, the longest programs start first and
+        # the short ones fill the gaps at the end instead of leaving a tail of long ones.
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0) + first_token // BLOCK_Q
         seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -140,34 +192,21 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    for tile_start in range(kv_lo, kv_hi, BLOCK_N):
-        keys = tile_start + tl.arange(0, BLOCK_N)
-        key_valid = keys < kv_hi
-        physical_block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        slot = keys % BLOCK_SIZE
-        k_offsets = physical_block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
-        v_offsets = physical_block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
-        k = tl.load(k_cache_ptr + k_offsets[None, :] + dims[:, None], mask=key_valid[None, :] & dim_valid[:, None],
-                    other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(scores - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v = tl.load(v_cache_ptr + v_offsets[:, None] + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :],
-                    other=0.0)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Every row of the block sees the keys up to its first query's position: whole tiles of those need neither the
+    # causal nor the bounds mask, so they run in a loop of their own, and only the tiles on the diagonal and the
+    # last partial one pay for the masks.
+    seen_by_all = tl.minimum(kv_hi, context_len + first_query + 1)
+    unmasked_end = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
+    for tile_start in range(kv_lo, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, tile_start, kv_hi, query_pos, block_table_row, k_cache_ptr, v_cache_ptr, kv_head,
+            dims, dim_valid, scale_log2, stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot,
+            stride_v_head, BLOCK_SIZE, BLOCK_N, UPCAST_DOT, DOT_PRECISION, MASKED=False)
+    for tile_start in range(unmasked_end, kv_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, tile_start, kv_hi, query_pos, block_table_row, k_cache_ptr, v_cache_ptr, kv_head,
+            dims, dim_valid, scale_log2, stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot,
+            stride_v_head, BLOCK_SIZE, BLOCK_N, UPCAST_DOT, DOT_PRECISION, MASKED=True)
 
     # A row with no visible key (a padding sequence of length 0) gets zeros, as the reference does.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -265,7 +304,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) 
         raise ValueError(f"all attention inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def _tile_config(block_d: int, group: int, decode: bool, fp32: bool) -> tuple[int, int, int, int]:
+def _tile_config(block_d: int, group: int, decode: bool, fp32: bool, num_seqs: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the configuration TILE_CONFIG names.
 
     Pipelined (the default): the K/V loads of later tiles are in flight while a tile is computed, so no iteration
@@ -273,7 +312,10 @@ def _tile_config(block_d: int, group: int, decode: bool, fp32: bool) -> tuple[in
     depends on takes stages of its own, so 7 stages give decode tiles three K/V buffers and 5 give prefill tiles
     three (kernels.compile_check reads the buffers and partial waits back from the compiled IR and asserts them).
     Decode tiles are short (one token times the GROUP heads) and bandwidth-bound: BLOCK_N shrinks as heads widen
-    so every stage moves the same bytes and registers stay clear of spills. 16-bit prefill tiles are 128 rows (64
+    so every stage moves the same bytes and registers stay clear of spills. A launch of LONG_DECODE_MIN_SEQS rows
+    or more takes four times the keys per stage in fewer stages: its programs each hold a whole context, which
+    the long tile streams faster; smaller launches split their keys into short runs, which the short tile with
+    deep pipelining streams faster. 16-bit prefill tiles are 128 rows (64
     for wider heads) so the Q·Kᵀ and P·V products run as Hopper wgmma, with 8 warps to hold the accumulator.
     fp32 (exact products run on the FMA units, not the tensor cores) takes short tiles with 8 warps."""
     if TILE_CONFIG == "legacy":
@@ -281,6 +323,8 @@ def _tile_config(block_d: int, group: int, decode: bool, fp32: bool) -> tuple[in
     rows_for_group = max(16, triton.next_power_of_2(group))
     if fp32:
         return rows_for_group, 32, 8, 5
+    if decode and num_seqs >= LONG_DECODE_MIN_SEQS:
+        return rows_for_group, min(128, 16384 // block_d), 4, 4
     if decode:
         return rows_for_group, min(128, 4096 // block_d), 4, 7
     if block_d <= 128:
@@ -365,7 +409,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    block_m, block_n, num_warps, num_stages = _tile_config(block_d, group, decode, q.dtype == torch.float32)
+    block_m, block_n, num_warps, num_stages = _tile_config(block_d, group, decode, q.dtype == torch.float32,
+                                                           num_seqs)
     block_q = block_m // group
     if num_splits > 1:
         partial_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,

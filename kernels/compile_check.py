@@ -90,7 +90,10 @@ def pipelining(ttgir: str) -> tuple[list[int], int, int]:
     return buffers, sum(n > 0 for n in waits), sum(n == 0 for n in waits)
 
 
-def _production_launches() -> list[tuple[str, callable]]:
+def _production_launches() -> list[tuple[str, callable, bool]]:
+    """(label, the launch, whether its attention tiles must be software-pipelined). The long decode tile is not:
+    on an H200 it streams large batches fastest single-buffered, two blocks per multiprocessor overlapping each
+    other's loads (bench/RESULTS.md), where deeper pipelining costs it that second block."""
     from kernels import activation, attention, kv_store, norm, rotary
     from kernels.dispatch import leading_decodes
     from kernels.paged_batch import random_paged_batch
@@ -98,14 +101,14 @@ def _production_launches() -> list[tuple[str, callable]]:
     # Eager steps choose their split count from the device's multiprocessors: those of an H200.
     attention.num_sms = lambda device: H200_MULTIPROCESSORS
 
-    def attend(label, q_lens, contexts, q_heads, kv_heads, head_dim, dtype, max_seq_len):
+    def attend(label, q_lens, contexts, q_heads, kv_heads, head_dim, dtype, max_seq_len, pipelined=True):
         """The attention as the model runner calls it for a step of these query lengths (decode rows first): its
         hints, with a longest context of `max_seq_len`, which decides whether the decode rows split their keys."""
         batch = random_paged_batch(q_lens, contexts, q_heads, kv_heads, head_dim, 16, dtype, "cpu",
                                    poison_unused=False)
         num_decodes = leading_decodes(torch.tensor(q_lens))
         return label, lambda: attention.paged_attention(*batch.attention_args(), max_query_len=max(q_lens),
-                                                        max_seq_len=max_seq_len, num_decodes=num_decodes)
+                                                        max_seq_len=max_seq_len, num_decodes=num_decodes), pipelined
 
     bf16 = torch.bfloat16
     x = torch.randn(4, 4096, dtype=bf16)
@@ -117,17 +120,19 @@ def _production_launches() -> list[tuple[str, callable]]:
     return [
         attend("attention decode bf16 d128 group4", decodes, contexts, 32, 8, 128, bf16, short),
         attend("attention decode bf16 d128 group4 split-KV", decodes, contexts, 32, 8, 128, bf16, long),
+        attend("attention decode bf16 d128 group4 long tile", [1] * attention.LONG_DECODE_MIN_SEQS,
+               contexts * (attention.LONG_DECODE_MIN_SEQS // 4), 32, 8, 128, bf16, long, pipelined=False),
         attend("attention prefill bf16 d128 group4", [40, 7], [9, 3], 32, 8, 128, bf16, long),
         attend("attention mixed bf16 d128 group4", decodes + [40], contexts + [3], 32, 8, 128, bf16, short),
         attend("attention mixed bf16 d128 group4 split-KV", decodes + [40], contexts + [3], 32, 8, 128, bf16, long),
         attend("attention prefill fp16 d64 group8", [40, 7], [9, 3], 32, 4, 64, torch.float16, long),
-        ("kv store bf16", lambda: kv_store.store_kvcache(k, k, cache, cache.clone(), torch.arange(4))),
-        ("rms norm bf16", lambda: norm.rms_norm(x, x[0], 1e-5)),
-        ("fused add rms norm bf16", lambda: norm.fused_add_rms_norm(x, x, x[0], 1e-5)),
+        ("kv store bf16", lambda: kv_store.store_kvcache(k, k, cache, cache.clone(), torch.arange(4)), False),
+        ("rms norm bf16", lambda: norm.rms_norm(x, x[0], 1e-5), False),
+        ("fused add rms norm bf16", lambda: norm.fused_add_rms_norm(x, x, x[0], 1e-5), False),
         ("rotary bf16", lambda: rotary.rotary_embedding(qkv[:, :4096].view(4, 32, 128),
                                                         qkv[:, 4096:5120].view(4, 8, 128), torch.arange(4),
-                                                        torch.randn(8, 128))),
-        ("silu and mul bf16", lambda: activation.silu_and_mul(torch.randn(4, 2 * 14336, dtype=bf16))),
+                                                        torch.randn(8, 128)), False),
+        ("silu and mul bf16", lambda: activation.silu_and_mul(torch.randn(4, 2 * 14336, dtype=bf16)), False),
     ]
 
 
@@ -145,7 +150,7 @@ def compile_all() -> list[dict]:
 
     JITFunction.run = compile_only
     reports = []
-    for label, call in _production_launches():
+    for label, call, pipelined in _production_launches():
         compiled.clear()
         call()
         for name, kernel in compiled:
@@ -157,13 +162,15 @@ def compile_all() -> list[dict]:
                                 shared_bytes=meta.shared, num_warps=meta.num_warps, num_stages=meta.num_stages,
                                 blocks_per_sm=blocks_per_sm(registers, meta.shared, meta.num_warps),
                                 wgmma="warp_group_dot" in ttgir, async_copies="async_copy_global_to_local" in ttgir,
-                                tile_buffers=buffers, partial_waits=partial_waits, full_waits=full_waits))
+                                tile_buffers=buffers, partial_waits=partial_waits, full_waits=full_waits,
+                                pipelined=pipelined))
     return reports
 
 
 def problems(reports: list[dict], tile_config: str) -> list[str]:
     """What in the compiled kernels would hurt on a GPU: register spills, shared memory past a block's limit, and
-    (under the pipelined attention tiles) attention tiles that are not multi-buffered or wait for every copy."""
+    (under the pipelined attention tiles) attention tiles meant to be pipelined that are not multi-buffered or wait
+    for every copy."""
     found = []
     for r in reports:
         where = f"{r['launch']}: {r['kernel']}"
@@ -171,7 +178,7 @@ def problems(reports: list[dict], tile_config: str) -> list[str]:
             found.append(f"{where} spills {r['spill_bytes']} bytes of registers")
         if r["shared_bytes"] > SM90_SHARED_BYTES_PER_BLOCK:
             found.append(f"{where} needs {r['shared_bytes']} bytes of shared memory per block")
-        if r["kernel"] == "_paged_attention_kernel" and tile_config == "pipelined":
+        if r["kernel"] == "_paged_attention_kernel" and tile_config == "pipelined" and r["pipelined"]:
             if min(r["tile_buffers"], default=0) < 2:
                 found.append(f"{where} has K/V tiles with buffers {r['tile_buffers']}, not multi-buffered")
             if not r["partial_waits"]:

@@ -84,6 +84,9 @@ ATTENTION_CASES = [
     # Head dims other than 64/128 run padded to a power of two (the engine's tiny test models use 8 to 32).
     ("mixed-gqa2-fp32-dim48-split2", [1, 14, 1], [33, 4, 0], 4, 2, 48, 16, F32, 2),
     ("decode-gqa3-bf16-dim8", [1] * 3, [17, 2, 40], 3, 1, 8, 16, BF16, 1),
+    # Launches of LONG_DECODE_MIN_SEQS decode rows or more take the long decode tile.
+    ("decode-gqa2-bf16-long-tile-split2", [1] * 66, [i * 37 % 300 for i in range(66)], 4, 2, 64, 16, BF16, 2),
+    ("decode-mha-fp16-long-tile", [1] * 64, [i * 53 % 290 for i in range(64)], 2, 2, 32, 16, F16, 1),
 ]
 
 
@@ -431,6 +434,6 @@ def test_engine_generates_the_same_tokens_with_the_triton_kernels(llama_tiny):
     tokens = {}
     for kernels in ("reference", "triton"):
         llm = LLM(folder, device=DEVICE, kernels=kernels, max_num_batched_tokens=16, num_kv_blocks=32,
-                  batch_policy="fcfs")
+                  max_num_seqs=4, batch_policy="fcfs")
         tokens[kernels] = [out.token_ids for out in llm.generate(prompts, greedy)]
     assert tokens["triton"] == tokens["reference"]

@@ -60,7 +60,7 @@ class LaunchKeys:
         config = (tuple(value for param, value in zip(jit.params, bound.values()) if param.is_constexpr),
                   tuple(sorted(options.items())))
         self.keys[name][config][key] = specialization
-        self.args[name].append(dict(bound))
+        self.args[name].append({**bound, **options})  # the arguments and the launch options (warps, stages)
 
     def assert_one_key_per_config(self) -> None:
         for name, by_config in self.keys.items():
@@ -103,11 +103,13 @@ def launches(monkeypatch):
 def test_engine_run_compiles_one_variant_per_tile_configuration(llama_tiny, launches, monkeypatch):
     """A bf16 engine on the Triton kernels serves prompts of many lengths in chunks, so its steps mix prefill and
     decode rows, shrink and grow in batch size and block-table width (1 to 34 blocks of 16), and split the keys
-    of its long decodes, as on an H200. Every variant the run launches was compiled at start-up (the model
-    runner's warm-up), and each has one key."""
+    of its long decodes, as on an H200, and its decode launches take both tile lengths (the long one from four
+    rows here, so that the interpreter can afford it). Every variant the run launches was compiled at start-up
+    (the model runner's warm-up), and each has one key."""
     from engine import LLM, SamplingParams
 
     monkeypatch.setattr(attention, "num_sms", lambda device: 132)  # an H200: eager decodes choose split-KV
+    monkeypatch.setattr(attention, "LONG_DECODE_MIN_SEQS", 4)
     # On a GPU the step's metadata reach the kernels as fresh device allocations (`.to(device)`; the caching
     # allocator aligns them to 512 bytes); on the CPU `.to("cpu")` hands over the host batch buffers themselves,
     # at whatever offset the C++ side placed them. A copy stands in for the device allocation.
@@ -131,6 +133,10 @@ def test_engine_run_compiles_one_variant_per_tile_configuration(llama_tiny, laun
     assert len(launches.values("_paged_attention_kernel", "num_seqs")) >= 4
     assert len(launches.values("_paged_attention_kernel", "num_splits")) >= 2
     assert len(launches.values("_store_kvcache_kernel", "stride_k_token")) == 1  # a per-model constant, specialised
+    decode_tiles = {(a["num_seqs"] >= 4, a["BLOCK_N"], a["num_stages"])
+                    for a in launches.args["_paged_attention_kernel"] if a["SINGLE_QUERY"]}
+    assert len({(n, stages) for long_tile, n, stages in decode_tiles if long_tile}) == 1, decode_tiles
+    assert len({(n, stages) for _, n, stages in decode_tiles}) == 2, decode_tiles
     launches.assert_one_key_per_config()
     assert launches.configs() == compiled_at_start
 
