@@ -34,7 +34,7 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (its Q load, its par
 MAX_SPLITS = 32
 # Decode launches of at least this many rows take the long decode tile (see _tile_config); the model runner's
 # warm-up launches one of this size so that both tile lengths compile before serving.
-LONG_DECODE_MIN_SEQS = 64
+LONG_DECODE_MIN_SEQS = 8
 # The tile shapes of the attention launches (see _tile_config): "pipelined", the default, or "legacy", the one
 # before it, kept selectable so that a GPU run measures both.
 TILE_CONFIGS = ("pipelined", "legacy")
@@ -313,9 +313,9 @@ def _tile_config(block_d: int, group: int, decode: bool, fp32: bool, num_seqs: i
     three (kernels.compile_check reads the buffers and partial waits back from the compiled IR and asserts them).
     Decode tiles are short (one token times the GROUP heads) and bandwidth-bound: BLOCK_N shrinks as heads widen
     so every stage moves the same bytes and registers stay clear of spills. A launch of LONG_DECODE_MIN_SEQS rows
-    or more takes four times the keys per stage in fewer stages: its programs each hold a whole context, which
-    the long tile streams faster; smaller launches split their keys into short runs, which the short tile with
-    deep pipelining streams faster. 16-bit prefill tiles are 128 rows (64
+    or more takes the long tile: four times the keys per stage, single-buffered, two blocks per multiprocessor.
+    Measured on an H200 (bench/RESULTS.md), it streams faster from eight rows up at all but one shape, and the
+    short, deeply pipelined tile is faster for a single row, whose keys are split into many short runs. 16-bit prefill tiles are 128 rows (64
     for wider heads) so the Q·Kᵀ and P·V products run as Hopper wgmma, with 8 warps to hold the accumulator.
     fp32 (exact products run on the FMA units, not the tensor cores) takes short tiles with 8 warps."""
     if TILE_CONFIG == "legacy":

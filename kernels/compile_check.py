@@ -117,11 +117,15 @@ def _production_launches() -> list[tuple[str, callable, bool]]:
     cache = torch.zeros(2, 16, 8, 128, dtype=bf16)
     decodes, contexts = [1] * 4, [90, 30, 7, 2]
     short, long = 256, 8192  # the longest context of the step: no split below 2 x MIN_KEYS_PER_SPLIT
+    long_decodes = [1] * attention.LONG_DECODE_MIN_SEQS
+    long_contexts = (contexts * attention.LONG_DECODE_MIN_SEQS)[:attention.LONG_DECODE_MIN_SEQS]
     return [
         attend("attention decode bf16 d128 group4", decodes, contexts, 32, 8, 128, bf16, short),
         attend("attention decode bf16 d128 group4 split-KV", decodes, contexts, 32, 8, 128, bf16, long),
-        attend("attention decode bf16 d128 group4 long tile", [1] * attention.LONG_DECODE_MIN_SEQS,
-               contexts * (attention.LONG_DECODE_MIN_SEQS // 4), 32, 8, 128, bf16, long, pipelined=False),
+        attend("attention decode bf16 d128 group4 long tile", long_decodes, long_contexts, 32, 8, 128, bf16, short,
+               pipelined=False),
+        attend("attention decode bf16 d128 group4 long tile split-KV", long_decodes, long_contexts, 32, 8, 128, bf16,
+               long, pipelined=False),
         attend("attention prefill bf16 d128 group4", [40, 7], [9, 3], 32, 8, 128, bf16, long),
         attend("attention mixed bf16 d128 group4", decodes + [40], contexts + [3], 32, 8, 128, bf16, short),
         attend("attention mixed bf16 d128 group4 split-KV", decodes + [40], contexts + [3], 32, 8, 128, bf16, long),
@@ -197,10 +201,10 @@ def main() -> None:
     from kernels.attention import TILE_CONFIG
 
     print(f"attention tile configuration: {TILE_CONFIG}")
-    print(f"{'launch':44s} {'kernel':23s} regs spill  smem KB warps stages CTA/SM wgmma buffers partial/all waits")
+    print(f"{'launch':52s} {'kernel':23s} regs spill  smem KB warps stages CTA/SM wgmma buffers partial/all waits")
     for r in reports:
         buffers = ",".join(map(str, r["tile_buffers"])) or "-"
-        print(f"{r['launch']:44s} {r['kernel']:23s} {r['registers']:4d} {r['spill_bytes']:5d} "
+        print(f"{r['launch']:52s} {r['kernel']:23s} {r['registers']:4d} {r['spill_bytes']:5d} "
               f"{r['shared_bytes'] / 1024:8.1f} {r['num_warps']:5d} {r['num_stages']:6d} {r['blocks_per_sm']:6d} "
               f"{str(r['wgmma']):5s} {buffers:7s} {r['partial_waits']}/{r['full_waits']}")
     found = problems(reports, TILE_CONFIG)

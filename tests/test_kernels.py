@@ -85,8 +85,8 @@ ATTENTION_CASES = [
     ("mixed-gqa2-fp32-dim48-split2", [1, 14, 1], [33, 4, 0], 4, 2, 48, 16, F32, 2),
     ("decode-gqa3-bf16-dim8", [1] * 3, [17, 2, 40], 3, 1, 8, 16, BF16, 1),
     # Launches of LONG_DECODE_MIN_SEQS decode rows or more take the long decode tile.
-    ("decode-gqa2-bf16-long-tile-split2", [1] * 66, [i * 37 % 300 for i in range(66)], 4, 2, 64, 16, BF16, 2),
-    ("decode-mha-fp16-long-tile", [1] * 64, [i * 53 % 290 for i in range(64)], 2, 2, 32, 16, F16, 1),
+    ("decode-gqa2-bf16-long-tile-split2", [1] * 9, [0, 37, 74, 111, 148, 185, 222, 259, 296], 4, 2, 64, 16, BF16, 2),
+    ("decode-mha-fp16-long-tile", [1] * 8, [53, 106, 159, 212, 265, 28, 81, 134], 2, 2, 32, 16, F16, 1),
 ]
 
 
