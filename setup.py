@@ -112,7 +112,7 @@ def torch_extensions():
         else:
             exts.append(CUDAExtension(
                 CUDA_EXTENSION,
-                sources=["csrc/cuda/bindings.cpp", "csrc/cuda/kv_store.cu", "csrc/cuda/decode_attention.cu"],
+                sources=["csrc/cuda/bindings.cpp", "csrc/cuda/kv_store.cu"],
                 extra_compile_args={"cxx": ["-O3"],
                                     "nvcc": ["-O3", "--use_fast_math", "-gencode=arch=compute_90,code=sm_90"]},
             ))

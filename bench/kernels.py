@@ -268,8 +268,6 @@ def attention_rows(setup: Setup, impls: dict[str, Callable], problems: list[Prob
         sdpa_seconds, sdpa_note = timed(setup, sdpa)
         problem_rows = []
         for impl, attend in impls.items():
-            if problem.kind != "decode" and impl.startswith("cuda"):
-                continue  # the CUDA C++ twin covers decode-only batches; its bundle sends the rest to Triton
             seconds, note = timed(setup, lambda: attend(*batch.attention_args(), **hints))
             problem_rows.append(Row(kernel, impl, problem.shape, seconds, moved, flops, note, problem.goal,
                                     sdpa_seconds, exact))
@@ -460,11 +458,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         bundles = {"triton": triton_ops, "torch-reference": reference}
         try:
             cuda_ops = get_ops("cuda", backend="cuda")
-            attention_impls["cuda-c++ (decode)"] = cuda_ops.paged_attention
             store_impls["cuda-c++"] = cuda_ops.store_kvcache
             cuda_note = ""
         except ImportError as error:
-            cuda_note = f" CUDA C++ kernels not timed: {error}."
+            cuda_note = f" CUDA C++ KV store not timed: {error}."
         problems, store_tokens, judged_store, op_tokens = gpu_problems(), [128, 16384], 16384, 4096
         name = torch.cuda.get_device_name()
         note = f"GPU figures, device times (CUDA events).{cuda_note}"

@@ -7,8 +7,8 @@ Backends:
   triton     the Triton kernels (the default on CUDA). On CPU tensors they run only under Triton's interpreter,
              which Triton selects when each kernel is defined: TRITON_INTERPRET=1 must be in the environment
              before the first get_ops(..., backend="triton") (that call imports the kernel modules);
-  cuda       the Triton kernels with the CUDA C++ ones of csrc/cuda in place of the KV-cache store and of
-             decode-only attention (needs the kernels._cuda extension and a CUDA device).
+  cuda       the Triton kernels with the CUDA C++ KV-cache store of csrc/cuda in place of Triton's (needs the
+             kernels._cuda extension and a CUDA device).
 The Triton modules are imported here lazily, so importing `kernels` never imports triton; the first Triton or CUDA
 bundle checks that the installed Triton is new enough for them.
 """
@@ -89,7 +89,7 @@ def _cuda_ops() -> Ops:
 
     cuda_native.load()  # the ImportError names what is missing
     triton_ops = _triton_ops("cuda")
-    return Ops("cuda", cuda_native.store_kvcache, cuda_native.paged_attention, triton_ops.rms_norm,
+    return Ops("cuda", cuda_native.store_kvcache, triton_ops.paged_attention, triton_ops.rms_norm,
                triton_ops.fused_add_rms_norm, triton_ops.rotary_embedding, triton_ops.silu_and_mul)
 
 

@@ -1,4 +1,5 @@
-"""The engine on a GPU with the Triton (and CUDA C++) kernels, against transformers on the same GPU and weights."""
+"""The engine on a GPU with the Triton kernels (and the CUDA C++ KV store), against transformers on the same GPU and
+weights."""
 from __future__ import annotations
 
 import pytest

@@ -78,80 +78,10 @@ void store_kvcache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
                "store_kvcache");
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                               int64_t num_splits) {
-  TORCH_CHECK(q.dim() == 3, "q must be [seqs, q_heads, head_dim] (one query token per sequence)");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must both be [blocks, block_size, kv_heads, head_dim]");
-  const int64_t num_seqs = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim ", head_dim, " unsupported (64 or 128)");
-  TORCH_CHECK(k_cache.size(3) == head_dim, "cache head_dim differs from q's");
-  TORCH_CHECK(num_q_heads % num_kv_heads == 0, num_q_heads, " query heads are not a multiple of ", num_kv_heads,
-              " KV heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share one dtype");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
-                  block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1 &&
-                  block_tables.is_cuda(),
-              "block_tables must be a CUDA int32 [seqs, max_blocks] tensor with contiguous rows");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs && seq_lens.scalar_type() == torch::kInt32 &&
-                  seq_lens.is_contiguous() && seq_lens.is_cuda(),
-              "seq_lens must be a contiguous CUDA int32 [seqs] tensor");
-  TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "num_splits must be in [1, 65535], got ", num_splits);
-  check_vectorizable(q, "q");
-  check_vectorizable(k_cache, "k_cache");
-  check_vectorizable(v_cache, "v_cache");
-
-  const c10::cuda::CUDAGuard guard(q.device());
-  torch::Tensor out = torch::empty_like(q);
-  torch::Tensor partial_out, partial_lse;
-  const auto f32 = q.options().dtype(torch::kFloat32);
-  if (num_splits > 1) {
-    partial_out = torch::empty({num_splits, num_seqs, num_q_heads, head_dim}, f32);
-    partial_lse = torch::empty({num_splits, num_seqs, num_q_heads}, f32);
-  }
-  polyserve::DecodeAttentionParams p{};
-  p.q = q.data_ptr();
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.partial_out = num_splits > 1 ? partial_out.data_ptr<float>() : nullptr;
-  p.partial_lse = num_splits > 1 ? partial_lse.data_ptr<float>() : nullptr;
-  p.num_seqs = static_cast<int>(num_seqs);
-  p.num_q_heads = static_cast<int>(num_q_heads);
-  p.num_kv_heads = static_cast<int>(num_kv_heads);
-  p.head_dim = static_cast<int>(head_dim);
-  p.block_size = static_cast<int>(k_cache.size(1));
-  p.num_splits = static_cast<int>(num_splits);
-  p.q_stride_token = q.stride(0);
-  p.q_stride_head = q.stride(1);
-  p.out_stride_token = out.stride(0);
-  p.out_stride_head = out.stride(1);
-  p.k_stride_block = k_cache.stride(0);
-  p.k_stride_slot = k_cache.stride(1);
-  p.k_stride_head = k_cache.stride(2);
-  p.v_stride_block = v_cache.stride(0);
-  p.v_stride_slot = v_cache.stride(1);
-  p.v_stride_head = v_cache.stride(2);
-  p.block_table_stride = block_tables.stride(0);
-  p.scale = static_cast<float>(scale);
-  check_launch(polyserve::launch_decode_attention(p, dtype_of(q, "q"), c10::cuda::getCurrentCUDAStream()),
-               "decode_attention");
-  return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "CUDA C++ twins of the Triton KV-cache store and decode attention (csrc/cuda)";
+  m.doc() = "CUDA C++ twin of the Triton KV-cache store (csrc/cuda)";
   m.def("store_kvcache", &store_kvcache, "Write k, v [T, Hkv, D] into the paged caches at slot_mapping (-1 skips)",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
-  m.def("decode_attention", &decode_attention,
-        "Paged attention for one query token per sequence, split-KV over num_splits slices", py::arg("q"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("num_splits"));
 }
