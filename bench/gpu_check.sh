@@ -78,10 +78,10 @@ transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretr
 " >> "$OUT/serving.log" 2>&1
     echo "default model not installable here: serving a random checkpoint of its shape" >> "$OUT/serving.log"
 fi
-timeout 90 $PY -m bench.serving_compiles --device cuda --seconds 50 "${model_arg[@]}" >> "$OUT/serving.log" 2>&1
+timeout 160 $PY -m bench.serving_compiles --device cuda --seconds 120 "${model_arg[@]}" >> "$OUT/serving.log" 2>&1
 serving_rc=$?
 served=$(grep -m1 '^start-up' "$OUT/serving.log" || tail -n 1 "$OUT/serving.log")
-note "| python -m bench.serving_compiles --seconds 50 (exit $serving_rc: 0 = no compile after warm-up) | ${served:0:220} | $(( $(elapsed) - stage_start )) |"
+note "| python -m bench.serving_compiles --seconds 120 (exit $serving_rc: 0 = no compile after warm-up) | ${served:0:220} | $(( $(elapsed) - stage_start )) |"
 
 stage_start=$(elapsed)
 timeout 45 $PY -m bench.kv_transfer --device cuda --models llama-3.1-8b --dtypes bfloat16 --tokens 2048,8192 \
