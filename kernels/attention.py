@@ -313,10 +313,11 @@ def _tile_config(block_d: int, group: int, decode: bool, fp32: bool, num_seqs: i
     three (kernels.compile_check reads the buffers and partial waits back from the compiled IR and asserts them).
     Decode tiles are short (one token times the GROUP heads) and bandwidth-bound: BLOCK_N shrinks as heads widen
     so every stage moves the same bytes and registers stay clear of spills. A launch of LONG_DECODE_MIN_SEQS rows
-    or more takes the long tile: four times the keys per stage, single-buffered, two blocks per multiprocessor.
-    Measured on an H200 (bench/RESULTS.md), it streams faster from eight rows up at all but one shape, and the
-    short, deeply pipelined tile is faster for a single row, whose keys are split into many short runs. 16-bit prefill tiles are 128 rows (64
-    for wider heads) so the Q·Kᵀ and P·V products run as Hopper wgmma, with 8 warps to hold the accumulator.
+    or more takes the long tile: four times the keys per stage, single-buffered, at least two blocks per
+    multiprocessor. Measured on an H200 (bench/RESULTS.md), it streams faster from eight rows up at all but one
+    shape, and the short, deeply pipelined tile is faster for a single row, whose keys are split into many short
+    runs. 16-bit prefill tiles are 128 rows (64 for wider heads) so the Q·Kᵀ and P·V products run as Hopper wgmma,
+    with 8 warps to hold the accumulator.
     fp32 (exact products run on the FMA units, not the tensor cores) takes short tiles with 8 warps."""
     if TILE_CONFIG == "legacy":
         return _legacy_tile_config(block_d, group, decode, fp32)
