@@ -190,10 +190,13 @@ def _nonnegative_least_squares(a: list[list[float]], b: list[float],
             if all(v > 0 for v in z):
                 x = _spread(passive, z, n)
                 break
-            # step from x towards z as far as feasibility allows; the variables that reach 0 leave
-            step = min(x[i] / (x[i] - v) for i, v in zip(passive, z) if v <= 0)
+            # step from x towards z as far as feasibility allows; the variable that blocks the step leaves, set to
+            # exactly 0: rounding can leave it a denormal whose next step underflows to 0, and the loop would never
+            # end (the entering variable, still at 0, blocks a step of 0)
+            step, blocking = min((x[i] / (x[i] - v) if x[i] > 0 else 0.0, i) for i, v in zip(passive, z) if v <= 0)
             for i, v in zip(passive, z):
                 x[i] += step * (v - x[i])
+            x[blocking] = 0.0
             passive = [i for i in passive if x[i] > 0]
             if not passive:
                 break

@@ -343,3 +343,49 @@ def test_largest_chunk_for_given_budgets():
     assert largest_chunk(model, 0.0108, 4, 4000, cap=4096) == 0  # decodes alone fill the budget
     # 300 prefill tokens already in the batch: 3.03 ms less for this chunk
     assert largest_chunk(model, 0.020, 4, 4300, cap=4096, num_prefill_tokens=300) == 610
+
+
+def nearly_dependent_problem(rng, n=7):
+    """Normal equations (with the fit's ridge) of a random least-squares problem whose columns are sometimes equal
+    to nine digits: the ill-conditioned kind a fit meets when two features move together."""
+    rows = []
+    for _ in range(rng.randint(2, 30)):
+        row = [rng.gauss(0, 1) * 10 ** rng.uniform(-3, 0) for _ in range(n)]
+        if rng.random() < 0.5:
+            row[rng.randrange(n)] = row[rng.randrange(n)] * (1 + 1e-9 * rng.gauss(0, 1))
+        rows.append(row)
+    y = [rng.gauss(0, 1) for _ in rows]
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    b = [sum(r[i] * t for r, t in zip(rows, y)) for i in range(n)]
+    ridge = 1e-9 * sum(a[i][i] for i in range(n))
+    for i in range(n):
+        a[i][i] += ridge
+    return a, b
+
+
+@pytest.mark.timeout(60)
+def test_nonnegative_least_squares_ends_and_is_optimal_on_ill_conditioned_problems():
+    """Among these problems are some where a step's rounding left a coordinate at a denormal, and the active-set
+    loop then stepped by 0 forever (it stalled an engine's first generate). Each must end, at the optimum that
+    trying every set of positive coordinates finds."""
+    from itertools import combinations
+
+    from scheduler.online_fit import _nonnegative_least_squares, _solve_on, _spread
+
+    def objective(a, b, x):
+        n = len(b)
+        return sum(x[i] * a[i][j] * x[j] for i in range(n) for j in range(n)) - 2 * sum(map(float.__mul__, b, x))
+
+    rng = random.Random(1)
+    for trial in range(4000):
+        a, b = nearly_dependent_problem(rng)
+        x, positive = _nonnegative_least_squares(a, b)
+        assert min(x) >= 0 and all(x[i] > 0 for i in positive), trial
+        if trial % 20 == 0:  # trial 600 is one that never ended
+            best = 0.0
+            for size in range(1, len(b) + 1):
+                for coords in map(list, combinations(range(len(b)), size)):
+                    z = _solve_on(a, b, coords)
+                    if min(z) >= 0:
+                        best = min(best, objective(a, b, _spread(coords, z, len(b))))
+            assert objective(a, b, x) <= best + 1e-9 * abs(best), trial
