@@ -1,7 +1,7 @@
 """KV hand-off throughput over a loopback TCP socket between two processes, against a plain copy of the same bytes.
 
     python -m bench.kv_transfer [--models smollm2-135m,llama-3.1-8b] [--dtypes bfloat16,float32]
-                                [--tokens 512,2048,8192] [--chunk-bytes 1048576] [--receiver buffered|streams]
+                                [--tokens 512,2048,8192] [--chunk-bytes 4194304] [--receiver buffered|streams]
                                 [--repeats 3] [--max-bytes 1073741824] [--device cpu|cuda]
 
 One request's prompt KV, in a cache of the model's shape whose blocks lie scattered (a shuffled block table), goes

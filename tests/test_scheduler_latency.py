@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import random
+from itertools import combinations
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from scheduler import (A100_SXM, H100_SXM, H200_SXM, LLAMA_3_1_8B, ModelShape, OnlineLatencyModel, ProfileTable,
                        RooflineLatencyModel, StepStats, largest_chunk)
 from scheduler.build_profiles import PROFILE_DIR, SHIPPED, roofline_profile
+from scheduler.online_fit import RIDGE, _nonnegative_least_squares, _solve_on, _spread
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
@@ -357,7 +359,7 @@ def nearly_dependent_problem(rng, n=7):
     y = [rng.gauss(0, 1) for _ in rows]
     a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
     b = [sum(r[i] * t for r, t in zip(rows, y)) for i in range(n)]
-    ridge = 1e-9 * sum(a[i][i] for i in range(n))
+    ridge = RIDGE * sum(a[i][i] for i in range(n))
     for i in range(n):
         a[i][i] += ridge
     return a, b
@@ -368,10 +370,6 @@ def test_nonnegative_least_squares_ends_and_is_optimal_on_ill_conditioned_proble
     """Among these problems are some where a step's rounding left a coordinate at a denormal, and the active-set
     loop then stepped by 0 forever (it stalled an engine's first generate). Each must end, at the optimum that
     trying every set of positive coordinates finds."""
-    from itertools import combinations
-
-    from scheduler.online_fit import _nonnegative_least_squares, _solve_on, _spread
-
     def objective(a, b, x):
         n = len(b)
         return sum(x[i] * a[i][j] * x[j] for i in range(n) for j in range(n)) - 2 * sum(map(float.__mul__, b, x))
