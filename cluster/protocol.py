@@ -18,13 +18,18 @@ Times a worker sends are on its own monotonic clock; Hello carries that clock's 
 """
 from __future__ import annotations
 
+import array
 import asyncio
+import bisect
+import fcntl
 import hashlib
 import hmac
+import itertools
 import os
 import select
 import socket
 import struct
+import termios
 import threading
 from typing import Annotated, Callable, Union
 
@@ -337,15 +342,14 @@ def send_kv_frames(sock: socket.socket, pieces, timeout: float, stop: threading.
 
 
 def _send_all(sock: socket.socket, buffers: list, room: select.poll, timeout: float, stop: threading.Event) -> None:
-    at = sent = 0  # the first buffer not sent whole, and how much of it is
+    ends = list(itertools.accumulate(len(b) for b in buffers))  # each buffer's end in what is sent
+    sent = 0
     while True:
-        while at < len(buffers) and sent >= len(buffers[at]):
-            sent -= len(buffers[at])
-            at += 1
+        at = bisect.bisect_right(ends, sent)  # the first buffer not sent whole
         if at == len(buffers):
             return
         batch = buffers[at:at + _IOV_MAX]
-        batch[0] = memoryview(batch[0])[sent:]
+        batch[0] = memoryview(batch[0])[sent - (ends[at] - len(batch[0])):]
         try:
             sent += sock.sendmsg(batch, (), socket.MSG_NOSIGNAL)
             continue
@@ -436,6 +440,7 @@ class PullReader:
         self._ahead = memoryview(bytearray(self.READ_AHEAD_BYTES))
         self._start = self._end = 0  # the unread bytes of the read-ahead
         self._closed = False
+        self._queued = array.array("i", [0])
 
     @classmethod
     async def connect(cls, host: str, port: int, timeout: float | None = None,
@@ -507,8 +512,13 @@ class PullReader:
         if self._start == self._end:
             self._start = self._end = 0
         while landing.filled < landing.nbytes:
-            await self._read(lambda: landing.fill(lambda buffers: self.sock.recvmsg_into(buffers[:_IOV_MAX])[0]),
-                             timeout)
+            await self._read(lambda: landing.fill(lambda buffers: self.sock.recvmsg_into(buffers)[0],
+                                                  self._queued_bytes(), _IOV_MAX), timeout)
+
+    def _queued_bytes(self) -> int:
+        """The bytes waiting in the socket now (at least 1: a read then waits, or finds the end)."""
+        fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, self._queued)
+        return max(self._queued[0], 1)
 
     # ---- the reader's side ---------------------------------------------------------------------------------
     async def read_message(self, timeout: float | None = None,

@@ -36,6 +36,8 @@ rest, at the end), then written into its blocks (`write_payload_part`) or its st
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import weakref
 import zlib
@@ -482,6 +484,19 @@ def _rows_of(planes, block_ids: list[int], rows_per_block: int, row: int, start:
     return views
 
 
+def _row_views(flat: memoryview, base: int, parts: list[np.ndarray]) -> list[memoryview]:
+    """Each row of `parts` (2-D byte views of the array whose bytes `flat` is, which starts at address `base`) as a
+    memoryview: slices of `flat`, several times cheaper to make than a memoryview of each numpy row, and a chunk has
+    hundreds of rows when they are small."""
+    views = []
+    for part in parts:
+        offset = part.__array_interface__["data"][0] - base
+        stride, width = part.strides[0], part.shape[1]
+        starts = range(offset, offset + stride * len(part), stride) if len(part) != 1 else (offset,)
+        views += [flat[at:at + width] for at in starts]
+    return views
+
+
 def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
             first_block: int, max_chunk_bytes: int) -> Iterator[tuple[KvBegin | KvChunk | KvEnd, list[memoryview]]]:
     wanted = block_ids[first_block:] if layout.block_bytes else []
@@ -494,6 +509,7 @@ def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, bl
         planes = kv_cache.view(torch.uint8).view(rows_per_block, kv_cache.shape[2], row)
         if planes.device.type == "cpu":
             planes = planes.numpy()
+            flat, base = memoryview(planes.reshape(-1)), planes.__array_interface__["data"][0]
         else:  # each chunk crosses into this pinned buffer first, one DMA per run of rows
             staging = _staging.take(min(total, max_chunk_bytes))
     try:
@@ -505,9 +521,11 @@ def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, bl
                 for part in rows:
                     staging[at:at + part.numel()].view(part.shape).copy_(part)
                     at += part.numel()
-                rows = [staging[:at].numpy()[None]]
+                views = [memoryview(staging[:at].numpy())]
+            else:
+                views = _row_views(flat, base, rows)
             crc = _chain(crc, checksum)
-            yield KvChunk(request_id, index, checksum, b""), [memoryview(r) for part in rows for r in part]
+            yield KvChunk(request_id, index, checksum, b""), views
     finally:
         if staging is not None:
             _staging.give(staging)
@@ -559,29 +577,34 @@ class ChunkLanding:
 
     def __init__(self, buffers: list[memoryview], receiver: "KvReceiver"):
         self.buffers, self.receiver = buffers, receiver
-        self.nbytes = sum(b.nbytes for b in buffers)
+        self._ends = list(itertools.accumulate(b.nbytes for b in buffers))  # each buffer's end in the chunk
+        self.nbytes = self._ends[-1] if buffers else 0
         self.filled = 0
-        self._at = self._offset = 0  # the first buffer not full, and the bytes in it
 
     def __len__(self) -> int:
         return self.nbytes
 
-    def fill(self, read: Callable[[list[memoryview]], int]) -> int:
+    def fill(self, read: Callable[[list[memoryview]], int], max_bytes: int | None = None,
+             max_buffers: int | None = None) -> int:
         """Calls `read(buffers)` with the unfilled part, in order (a transport's read into them, `recvmsg_into`),
-        which returns how many bytes it put there; returns that. KvTransferError once the receiver was cancelled."""
+        which returns how many bytes it put there; returns that. With `max_bytes` and `max_buffers`, only the
+        buffers that the first `max_bytes` unfilled bytes fall in, at most `max_buffers` of them (at least one): a
+        read of what the socket holds does not pay for hundreds of buffers it leaves empty. KvTransferError once the
+        receiver was cancelled."""
         with self.receiver._writing:
             if self.receiver._cancelled:
                 raise KvTransferError(f"request {self.receiver.request_id!r}: the import was cancelled")
-            rest = self.buffers[self._at:]
-            if self._offset:
-                rest[0] = rest[0][self._offset:]
+            at = bisect.bisect_right(self._ends, self.filled)  # the first buffer not full
+            stop = len(self.buffers)
+            if max_bytes is not None:
+                stop = bisect.bisect_left(self._ends, self.filled + max_bytes, at, stop) + 1
+            if max_buffers is not None:
+                stop = min(stop, at + max(max_buffers, 1))
+            rest = self.buffers[at:stop]
+            if rest:
+                rest[0] = rest[0][self.filled - (self._ends[at] - rest[0].nbytes):]
             nbytes = read(rest)
             self.filled += nbytes
-            offset = self._offset + nbytes
-            while self._at < len(self.buffers) and offset >= self.buffers[self._at].nbytes > 0:
-                offset -= self.buffers[self._at].nbytes
-                self._at += 1
-            self._offset = offset
         return nbytes
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -637,6 +660,7 @@ class KvReceiver:
         weakref.finalize(self, _staging.give_all, self._buffers).atexit = False
         if self.in_place:  # the cache's rows, `[layers * 2, blocks, row]`: a view
             self._planes = kv_cache.view(torch.uint8).numpy().reshape(2 * layout.num_layers, kv_cache.shape[2], -1)
+            self._flat = memoryview(self._planes.reshape(-1))
         elif self.total_bytes:
             self._buffers.append(_staging.take(self.total_bytes))
             self.payload = self._buffers[-1][:self.total_bytes]
@@ -685,7 +709,7 @@ class KvReceiver:
                                   f"{self.total_bytes} bytes ({self._received} received)")
         if self.in_place:
             self._landing_rows = self._rows(self._received, end)
-            buffers = [memoryview(row) for rows in self._landing_rows for row in rows]
+            buffers = _row_views(self._flat, self._planes.__array_interface__["data"][0], self._landing_rows)
         else:
             buffers = [memoryview(self.payload.numpy()[self._received:end])]
         self._landing = ChunkLanding(buffers, self)

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -131,6 +132,40 @@ def test_each_chunk_read_for_a_cpu_cache_lands_in_its_blocks_and_no_other(chunk_
     receiver.apply()
     assert torch.equal(cache[:, :, BLOCKS], CACHE[:, :, BLOCKS])
     assert not cache[:, :, [b for b in range(cache.shape[2]) if b not in BLOCKS]].view(torch.uint8).any()
+
+
+def test_a_landing_filled_in_budgeted_reads_gets_every_byte_in_order_and_each_read_only_the_buffers_it_reaches():
+    """A transport reads what its socket holds (`max_bytes`), at most so many buffers at a time (`max_buffers`),
+    into rows of a cache (`chunk_memory`): each read is given the buffers from the first unfilled byte on, the
+    first cut where the last read ended, up to the one that the budget's last byte falls in, and the rows end up
+    holding the chunk's bytes in order."""
+    cache = empty_cache()
+    receiver = Spy("r", cache)
+    data, starts, ends = wire("r", 4096)
+    receiver.receive(decode_frame(p.decode_payload(data[p.HEADER.size:ends[0]]).frame))
+    chunk = decode_frame(p.decode_payload(data[ends[0] + p.HEADER.size:ends[1]]).frame)
+    landing = receiver.chunk_memory(len(chunk.data))
+    assert len(landing.buffers) == 8  # rows of 512 bytes, scattered
+    sent, rng = bytes(chunk.data), random.Random(3)
+    while landing.filled < landing.nbytes:
+        max_bytes, max_buffers = rng.choice((1, 7, 100, 600, 5000)), rng.choice((1, 2, 1024))
+        size = min(rng.choice((1, 50, 300, 3000)), max_bytes)  # what the socket gives may fall short of the budget
+
+        def read(buffers: list[memoryview]) -> int:
+            assert 1 <= len(buffers) <= max_buffers
+            room = [b.nbytes for b in buffers]
+            assert sum(room[:-1]) < max_bytes and (sum(room) >= max_bytes or len(buffers) == max_buffers
+                                                     or landing.filled + sum(room) == landing.nbytes)
+            at, piece = 0, sent[landing.filled:landing.filled + size]
+            for buffer in buffers:
+                take = min(buffer.nbytes, len(piece) - at)
+                buffer[:take] = piece[at:at + take]
+                at += take
+            return at
+
+        landing.fill(read, max_bytes, max_buffers)
+    receiver.receive(msgspec.structs.replace(chunk, data=landing))
+    assert b"".join(bytes(b) for b in landing.buffers) == sent
 
 
 def test_a_chunk_whose_head_is_longer_than_the_first_read_is_decoded_whole():
