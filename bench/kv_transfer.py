@@ -16,7 +16,8 @@ contiguous buffer in chunks of the same size, unframed and unchecked, into one p
 socket and the event loop allow these two processes (the KV frames come over a connection of their own). Each repeat
 runs the plain copy and then the KV transfer; both are timed on this side, from the request to the sender until the
 last byte is in place; the median of the repeats is reported, with the CPU time each process took for the transfer
-(all its threads, user and system: on loopback the kernel's copies are most of it).
+(all its threads, user and system: on loopback the kernel's copies are most of it), and as "of plain" the median of
+the repeats' own ratios (each repeat's two transfers run back to back).
 
 --receiver picks how this side reads the plain copy: `buffered` (an `asyncio.BufferedProtocol`: it lands straight in
 its destination, the most a reader of this event loop gets) or `streams` (`StreamReader.readexactly`, each piece
@@ -219,6 +220,9 @@ class Row:
 
     def line(self) -> str:
         plain, kv = (statistics.median(t.wall_s for t in timings) for timings in (self.plain, self.kv))
+        # each repeat's plain copy and KV transfer run back to back: the median of their ratios is steadier on a
+        # machine whose speed drifts between repeats than the ratio of the medians
+        ratio = statistics.median(p.wall_s / k.wall_s for p, k in zip(self.plain, self.kv))
         size = self.case.payload_bytes
 
         def cpu(timings: list[Timing]) -> str:
@@ -226,7 +230,7 @@ class Row:
                               for side in ("sender_cpu_s", "receiver_cpu_s"))
 
         return (f"| {self.case.model} | {self.case.dtype} | {self.case.tokens} | {size / 2**20:.1f} | "
-                f"{size / plain / 1e9:.2f} | {size / kv / 1e9:.2f} | {plain / kv * 100:.0f} % | "
+                f"{size / plain / 1e9:.2f} | {size / kv / 1e9:.2f} | {ratio * 100:.0f} % | "
                 f"{kv / self.case.tokens * 1e6:.2f} | {cpu(self.plain)} | {cpu(self.kv)} |")
 
 
