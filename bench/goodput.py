@@ -136,10 +136,11 @@ PD_SHARE_OFFSETS = (-2, -1, 0, 1, 2)  # in steps, around the fluid split
 # until the margins' misses and the refused requests together pass the tenth; where 1 % of all may, a smaller share
 # holds the margins' misses well under it, and a smaller one still refuses more than it saves.
 RULE_HEADROOM_TARGETS = {EVERY_TIER.name: 0.02, STRICT.name: 0.005}
-# The share of each tier the router may refuse for cost when it has no place (scheduler/costly.py), every policy's
-# alike: where a tenth of a tier may miss, what the margins leave of that tenth goes to the costliest prompts of a
-# tier that queues (bench/RESULTS.md); where 1 % of all may, none.
-RULE_COSTLY_SHARES = {EVERY_TIER.name: 0.06, STRICT.name: 0.0}
+# The share of each tier the router may refuse for cost while the fleet is under pressure (scheduler/costly.py),
+# every policy's alike: where a tenth of a tier may miss, what the margins' share leaves of that tenth goes to the
+# costliest prompts (bench/RESULTS.md); where 1 % of all may, none.
+RULE_COSTLY_SHARES = {EVERY_TIER.name: round(1.0 - EVERY_TIER.target - RULE_HEADROOM_TARGETS[EVERY_TIER.name], 6),
+                      STRICT.name: 0.0}
 REFERENCE_WORKLOAD = "conv-4tier"  # the default workload: the error sweep's and the tier-attainment plot's
 SPEED_INSTANCES = 64
 

@@ -15,9 +15,10 @@ tells it what happened, it answers what to do:
              step's progress),
              on_load (KV in use between steps), on_finished, withdraw, retry_queued (-> placements)
   reading    fleet (cluster.fleet.Fleet), queue_length, waiting_tiers, events, counts
-Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all); one that
-finds no place and whose prompt is among its tier's costliest `costly_share` is refused then (scheduler/costly.py),
-not queued. A request
+Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all); one whose
+prompt is among its tier's costliest `costly_share` is refused (scheduler/costly.py), not placed, while the fleet is
+under pressure (`under_pressure`: a request waited in a queue among the latest arrivals), and refused rather than
+queued when it finds no place. A request
 with companions (the other parallel samples of its request) is placed with them, all on one instance, the test
 counting each; a stream resumed after its instance was lost goes where its next token is predicted soonest. The test
 reads an instance through the resident summary the router keeps current (InstanceView.summary), so a scan costs
@@ -49,7 +50,7 @@ from cluster.fleet import Fleet, InstanceStatus, InstanceView, RoutedRequest
 from cluster.protocol import Resident
 from engine.config import ROLES
 from scheduler.attainability import Attainability, AttainabilityChecker
-from scheduler.costly import CostlyShare
+from scheduler.costly import CostlyShare, FleetPressure
 from scheduler.instance_state import InstanceState, RequestSnapshot
 from scheduler.headroom import DEFAULT_TARGET, Headroom
 from scheduler.latency_model import LatencyModel
@@ -154,9 +155,10 @@ class Router:
         `headroom_target`: the share of requests each margin lets miss (`Headroom.target`): both margins of every
         tier, the TPOT one and the first-token one, settle where that share of their requests miss.
 
-        `costly_share`: the share of each tier's requests that may be refused for their cost when the fleet has no
-        place for them (`CostlyShare`): a new request that would queue and whose prompt is among its tier's
-        costliest that share is refused at once. Zero refuses none for cost."""
+        `costly_share`: the share of each tier's requests that may be refused for their cost while the fleet is
+        under pressure (`CostlyShare`, `under_pressure`): a new request whose prompt is among its tier's costliest
+        that share is refused at once, placed nowhere, when a request waited in a queue among the fleet's latest
+        arrivals, or when it would queue itself. Zero refuses none for cost."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
@@ -174,6 +176,7 @@ class Router:
         # by request tier: the share of TTFT planned
         self.first_token_headroom = [Headroom(headroom_target) for _ in tiers]
         self.costly = [CostlyShare(costly_share) for _ in tiers]
+        self.pressure = FleetPressure()
         self.fleet = Fleet(len(tiers))
         # one queue per tier under every policy: "least-loaded-admission" ignores tiers in placement only, and
         # waiting as PolyServe's requests wait (the same bound per tier, retried tightest tier first, each tier in
@@ -306,6 +309,11 @@ class Router:
         if readmit and not req.late:
             # a resumed stream's first token from here is not its first: it has no TTFT of its own to keep
             req.late = req.resumed_tokens > 0 or not self._on_time_possible(req, now)
+        if not readmit:
+            self.pressure.arrived(waiting=any(self.queues))
+        if not readmit and self.under_pressure() and self.costly[req.tier_index].refuse():
+            self._log(now, "costly", req.request_id, None, req.tier_index)
+            return Decision(Outcome.COSTLY, retry_after_s=self.retry_after(req.tier_index))
         placed = self._place(req, now)
         if placed is not None:
             view, how, decode = placed
@@ -323,6 +331,7 @@ class Router:
         if not readmit and len(queue) >= self.queue_limit:
             self._log(now, "queue_full", req.request_id, None, req.tier_index)
             return Decision(Outcome.QUEUE_FULL, retry_after_s=self.retry_after(req.tier_index))
+        self.pressure.waited()
         if readmit:
             queue.appendleft(req)  # it has waited longest of all
         else:
@@ -330,6 +339,11 @@ class Router:
         self.requests[req.request_id] = req
         self._log(now, "queued", req.request_id, None, req.tier_index)
         return Decision(Outcome.QUEUED)
+
+    def under_pressure(self) -> bool:
+        """Is the fleet at its capacity (`FleetPressure`: a request waited in a queue among its latest arrivals)?
+        Then a costly request served takes the place of cheaper ones."""
+        return self.pressure.on
 
     def hand_off(self, req: RoutedRequest, now: float, *, retry: bool = False) -> Decision:
         """A request a prefill instance ran to its first token (and left: `on_finished`), to be placed on a decode

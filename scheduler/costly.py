@@ -7,10 +7,15 @@ costly ones that then crowd out several cheap ones each. What a request will cos
 prompt: its prefill, its transfer and the KV its decode holds all grow with it, and a long prompt is no more likely
 to come with a long output (the conversation and code traces of the matrix).
 
-So, per tier: a request that finds no place at once (it would queue) and whose prompt is among the tier's costliest
-`share` of recent prompts is refused at once, while the refusals this made stay within `share` of the tier's recent
-arrivals. A fleet with room places every request and refuses none; only a tier that queues spends its allowance,
-and never more than `share` of it. The operator sets `share` to what the rule lets a tier miss beyond what the
+So, per tier: a request whose prompt is among the tier's costliest `share` of recent prompts is refused at once
+while the fleet is under pressure (`FleetPressure`: a request of any tier waited in a router queue among the
+fleet's latest arrivals) or when it finds no place (it would queue), while the refusals this made stay within
+`share` of the tier's recent arrivals. A fleet where nothing has waited lately places every request and refuses
+none. Under pressure every tier spends its allowance, not only the one that queues: the instance time a looser
+tier's costly request takes is what a tighter tier waits for (its instances come from the same fleet, and a looser
+tier's overflow goes onto tighter tiers' instances), and the rule holds each tier to its own share, so a tier that
+misses less than its share leaves unused the capacity that the worst tier needed. Never more than `share` of a
+tier's arrivals are refused for cost. The operator sets `share` to what the rule lets a tier miss beyond what the
 margins of prediction error already do (zero: none refused for cost, the default).
 """
 from __future__ import annotations
@@ -59,7 +64,7 @@ class CostlyShare:
         bisect.insort(self._sorted, prompt_tokens)
 
     def refuse(self) -> bool:
-        """The tier's latest arrival found no place at once: is it refused for its cost? It is when its prompt is
+        """The tier's latest arrival came under pressure: is it refused for its cost? It is when its prompt is
         at or above the tier's costliest `share` of recent prompts and the refusals stay within `share` of the recent
         arrivals with it; counted as one of them when so."""
         seen = len(self._sorted)
@@ -71,3 +76,28 @@ class CostlyShare:
         self._prompts[-1] = (prompt_tokens, True)
         self._num_refused += 1
         return True
+
+
+@dataclass(slots=True)
+class FleetPressure:
+    """Whether a fleet is at its capacity, as its router sees it: a request waited in a queue among the fleet's
+    latest `recent` arrivals (the horizon a tier's costly share is judged over). A queue that forms now and then at
+    the edge keeps it on between the waits; a fleet where nothing has waited lately is off."""
+    recent: int = RECENT_ARRIVALS
+    _since_wait: int | None = field(default=None, init=False)  # arrivals since a request last waited (None: never)
+
+    def arrived(self, waiting: bool) -> None:
+        """A new request arrived; `waiting`: requests wait in the router's queues as it does."""
+        if waiting:
+            self._since_wait = 0
+        elif self._since_wait is not None:
+            self._since_wait += 1
+
+    def waited(self) -> None:
+        """A request was queued."""
+        self._since_wait = 0
+
+    @property
+    def on(self) -> bool:
+        return self._since_wait is not None and self._since_wait < self.recent
+

@@ -17,6 +17,7 @@ from cluster.protocol import Resident
 from cluster.router import POOLED_AT_FULL_STEP, How, InstanceReport, Outcome, Router
 from scheduler.attainability import AttainabilityChecker, Rejection
 from scheduler.chunking import largest_chunk
+from scheduler.costly import RECENT_ARRIVALS
 from scheduler.instance_state import InstanceState, ResidentSummary
 from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import Tier, TierSet
@@ -971,21 +972,45 @@ def test_placements_equal_those_of_the_reference_test_through_random_events():
     assert any(h.num_missed for h in fast.first_token_headroom)  # placements were planned with first-token margins
 
 
-def test_costly_share_refuses_a_long_prompt_only_when_it_would_queue():
+def test_costly_share_refuses_a_long_prompt_only_under_pressure():
+    """A long prompt is placed while nothing has waited lately; refused rather than queued; refused though its tier
+    has room while a wait is among the fleet's latest arrivals; placed again once the waits are that far back; and
+    a request placed again after its instance was lost is never refused for its cost."""
     router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=1, idle_pool=0)),
                     queue_limit=8, costly_share=0.1)
     ready(router, "a")
+
+    def served(rid: str, prompt: int) -> None:
+        assert router.submit(request(rid, STD, prompt=prompt), 0.0).outcome is Outcome.PLACED
+        router.on_finished(rid, 100, 0.0)
+
     for i in range(300):  # the tier's recent prompts: 100 to 1000 tokens, each served and gone
-        r = request(f"h{i}", STD, prompt=100 + 3 * i)
-        assert router.submit(r, 0.0).outcome is Outcome.PLACED
-        router.on_finished(r.request_id, 100, 0.0)
-    assert router.submit(request("long-with-room", STD, prompt=1000), 0.0).outcome is Outcome.PLACED
-    router.on_finished("long-with-room", 100, 0.0)
-    fill(router, "a", STD, 3)  # its KV is full now
-    assert router.submit(request("mid", STD, prompt=800), 0.0).outcome is Outcome.QUEUED  # not among the costliest
+        served(f"h{i}", 100 + 3 * i)
+    assert not router.under_pressure()
+    served("long-with-room", 1000)
+    placed = 0  # "a" fills up with prompts not among the costliest, until one would queue: it does
+    while (decision := router.submit(request(f"mid{placed}", STD, prompt=800), 0.0)).outcome is Outcome.PLACED:
+        placed += 1
+    assert decision.outcome is Outcome.QUEUED and placed >= 2 and router.under_pressure()
     refused = router.submit(request("long", STD, prompt=1000), 0.0)
     assert refused.outcome is Outcome.COSTLY and refused.retry_after_s >= 1 and "long" not in router.requests
     assert router.counts["costly"] == 1 and router.queue_length(STD) == 1
     # a request placed again after its instance was lost is never refused for its cost
     again = request("lost", STD, prompt=1000)
     assert router.submit(again, 0.0, readmit=True).outcome is Outcome.QUEUED
+    for i in range(placed):  # "a" empties and takes the queue, which empties too
+        router.on_finished(f"mid{i}", 100, 0.0)
+    assert {p.request.request_id for p in router.retry_queued(0.0)} == {"lost", f"mid{placed}"}
+    for rid in ("lost", f"mid{placed}"):
+        router.on_finished(rid, 100, 0.0)
+    assert not any(router.queues) and not router.fleet["a"].residents and router.under_pressure()
+    assert router.submit(request("long-after-wait", STD, prompt=1000), 0.0).outcome is Outcome.COSTLY
+    served("mid-after-wait", 800)
+    for i in range(RECENT_ARRIVALS):  # none of these waits (the longest of them may be refused, within the share)
+        outcome = router.submit(request(f"later{i}", STD, prompt=100 + i % 300 * 3), 0.0).outcome
+        assert outcome in (Outcome.PLACED, Outcome.COSTLY) and not any(router.queues)
+        router.on_finished(f"later{i}", 100, 0.0)
+    assert not router.under_pressure()
+    costly = router.counts["costly"]
+    served("long-much-later", 1000)
+    assert router.counts["costly"] == costly
