@@ -86,6 +86,10 @@ class FleetPressure:
     recent: int = RECENT_ARRIVALS
     _since_wait: int | None = field(default=None, init=False)  # arrivals since a request last waited (None: never)
 
+    def __post_init__(self):
+        if self.recent < 1:
+            raise ValueError(f"recent must be at least 1, got {self.recent}")
+
     def arrived(self, waiting: bool) -> None:
         """A new request arrived; `waiting`: requests wait in the router's queues as it does."""
         if waiting:

@@ -1,11 +1,12 @@
-"""The costly share (scheduler/costly.py): which requests a tier with no place refuses, and how many."""
+"""The costly share (scheduler/costly.py): which requests a tier under pressure refuses, and how many; when a
+fleet is under pressure."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from scheduler.costly import MIN_ARRIVALS, CostlyShare
+from scheduler.costly import MIN_ARRIVALS, CostlyShare, FleetPressure
 
 
 def arrivals(share: CostlyShare, prompts) -> None:
@@ -60,6 +61,21 @@ def test_follows_the_tiers_recent_prompts():
     assert share.refuse()  # long against the last `recent` prompts, though short against the burst
 
 
+def test_pressure_holds_from_a_wait_for_the_next_recent_arrivals_and_not_before_any():
+    pressure = FleetPressure(recent=300)
+    for _ in range(1000):  # nothing ever waited: a calm fleet, however many arrive
+        pressure.arrived(waiting=False)
+        assert not pressure.on
+    pressure.waited()  # a request was queued
+    for _ in range(299):
+        pressure.arrived(waiting=False)
+        assert pressure.on
+    pressure.arrived(waiting=False)
+    assert not pressure.on  # the wait is 300 arrivals back
+    pressure.arrived(waiting=True)  # one arrived while requests waited in a queue
+    assert pressure.on
+
+
 def test_bad_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="costly share"):
         CostlyShare(1.0)
@@ -67,3 +83,5 @@ def test_bad_settings_are_refused_by_name():
         CostlyShare(-0.1)
     with pytest.raises(ValueError, match="recent"):
         CostlyShare(0.1, recent=10)
+    with pytest.raises(ValueError, match="recent"):
+        FleetPressure(recent=0)
