@@ -104,4 +104,3 @@ class FleetPressure:
     @property
     def on(self) -> bool:
         return self._since_wait is not None and self._since_wait < self.recent
-
