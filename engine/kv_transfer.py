@@ -484,10 +484,11 @@ def _rows_of(planes, block_ids: list[int], rows_per_block: int, row: int, start:
     return views
 
 
-def _row_views(flat: memoryview, base: int, parts: list[np.ndarray]) -> list[memoryview]:
-    """Each row of `parts` (2-D byte views of the array whose bytes `flat` is, which starts at address `base`) as a
-    memoryview: slices of `flat`, several times cheaper to make than a memoryview of each numpy row, and a chunk has
-    hundreds of rows when they are small."""
+def _row_views(array: np.ndarray, parts: list[np.ndarray]) -> list[memoryview]:
+    """Each row of `parts` (2-D byte views of the contiguous `array`) as a memoryview: slices of one memoryview of
+    `array`, several times cheaper to make than a memoryview of each numpy row, and a chunk has hundreds of rows
+    when they are small."""
+    flat, base = memoryview(array.reshape(-1)), array.__array_interface__["data"][0]
     views = []
     for part in parts:
         offset = part.__array_interface__["data"][0] - base
@@ -509,7 +510,6 @@ def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, bl
         planes = kv_cache.view(torch.uint8).view(rows_per_block, kv_cache.shape[2], row)
         if planes.device.type == "cpu":
             planes = planes.numpy()
-            flat, base = memoryview(planes.reshape(-1)), planes.__array_interface__["data"][0]
         else:  # each chunk crosses into this pinned buffer first, one DMA per run of rows
             staging = _staging.take(min(total, max_chunk_bytes))
     try:
@@ -523,7 +523,7 @@ def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, bl
                     at += part.numel()
                 views = [memoryview(staging[:at].numpy())]
             else:
-                views = _row_views(flat, base, rows)
+                views = _row_views(planes, rows)
             crc = _chain(crc, checksum)
             yield KvChunk(request_id, index, checksum, b""), views
     finally:
@@ -660,7 +660,6 @@ class KvReceiver:
         weakref.finalize(self, _staging.give_all, self._buffers).atexit = False
         if self.in_place:  # the cache's rows, `[layers * 2, blocks, row]`: a view
             self._planes = kv_cache.view(torch.uint8).numpy().reshape(2 * layout.num_layers, kv_cache.shape[2], -1)
-            self._flat = memoryview(self._planes.reshape(-1))
         elif self.total_bytes:
             self._buffers.append(_staging.take(self.total_bytes))
             self.payload = self._buffers[-1][:self.total_bytes]
@@ -709,7 +708,7 @@ class KvReceiver:
                                   f"{self.total_bytes} bytes ({self._received} received)")
         if self.in_place:
             self._landing_rows = self._rows(self._received, end)
-            buffers = _row_views(self._flat, self._planes.__array_interface__["data"][0], self._landing_rows)
+            buffers = _row_views(self._planes, self._landing_rows)
         else:
             buffers = [memoryview(self.payload.numpy()[self._received:end])]
         self._landing = ChunkLanding(buffers, self)
