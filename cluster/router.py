@@ -17,8 +17,8 @@ tells it what happened, it answers what to do:
   reading    fleet (cluster.fleet.Fleet), queue_length, waiting_tiers, events, counts
 Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all); one whose
 prompt is among its tier's costliest `costly_share` is refused (scheduler/costly.py), not placed, while the fleet is
-under pressure (`under_pressure`: a request waited in a queue among the latest arrivals), and refused rather than
-queued when it finds no place. A request
+under pressure (`under_pressure`: a request waited in a queue within the time a request placed now stays), and
+refused rather than queued when it finds no place. A request
 with companions (the other parallel samples of its request) is placed with them, all on one instance, the test
 counting each; a stream resumed after its instance was lost goes where its next token is predicted soonest. The test
 reads an instance through the resident summary the router keeps current (InstanceView.summary), so a scan costs
@@ -157,8 +157,8 @@ class Router:
 
         `costly_share`: the share of each tier's requests that may be refused for their cost while the fleet is
         under pressure (`CostlyShare`, `under_pressure`): a new request whose prompt is among its tier's costliest
-        that share is refused at once, placed nowhere, when a request waited in a queue among the fleet's latest
-        arrivals, or when it would queue itself. Zero refuses none for cost."""
+        that share is refused at once, placed nowhere, when a request waited in a queue within the time a request
+        placed now is expected to stay, or when it would queue itself. Zero refuses none for cost."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
@@ -309,9 +309,9 @@ class Router:
         if readmit and not req.late:
             # a resumed stream's first token from here is not its first: it has no TTFT of its own to keep
             req.late = req.resumed_tokens > 0 or not self._on_time_possible(req, now)
-        if not readmit:
-            self.pressure.arrived(waiting=any(self.queues))
-        if not readmit and self.under_pressure() and self.costly[req.tier_index].refuse():
+        if any(self.queues):
+            self.pressure.waited(now)
+        if not readmit and self.under_pressure(now) and self.costly[req.tier_index].refuse():
             self._log(now, "costly", req.request_id, None, req.tier_index)
             return Decision(Outcome.COSTLY, retry_after_s=self.retry_after(req.tier_index))
         placed = self._place(req, now)
@@ -331,7 +331,7 @@ class Router:
         if not readmit and len(queue) >= self.queue_limit:
             self._log(now, "queue_full", req.request_id, None, req.tier_index)
             return Decision(Outcome.QUEUE_FULL, retry_after_s=self.retry_after(req.tier_index))
-        self.pressure.waited()
+        self.pressure.waited(now)
         if readmit:
             queue.appendleft(req)  # it has waited longest of all
         else:
@@ -340,10 +340,11 @@ class Router:
         self._log(now, "queued", req.request_id, None, req.tier_index)
         return Decision(Outcome.QUEUED)
 
-    def under_pressure(self) -> bool:
-        """Is the fleet at its capacity (`FleetPressure`: a request waited in a queue among its latest arrivals)?
-        Then a costly request served takes the place of cheaper ones."""
-        return self.pressure.on
+    def under_pressure(self, now: float) -> bool:
+        """Is the fleet at its capacity (`FleetPressure`: a request waited in a queue within the time a request
+        placed now is expected to stay, the longest of the tiers')? Then a costly request served takes the place
+        of cheaper ones."""
+        return self.pressure.on(now, max(map(self._expected_stay_s, range(len(self.tiers)))))
 
     def hand_off(self, req: RoutedRequest, now: float, *, retry: bool = False) -> Decision:
         """A request a prefill instance ran to its first token (and left: `on_finished`), to be placed on a decode
@@ -925,9 +926,13 @@ class Router:
             view.load = self.model.predict(0, len(view.residents), view.kv_tokens) if view.residents else 0.0
 
     def retry_after(self, tier: int) -> float:
-        """Seconds until a tier slot is likely free: one expected output at the tier's TPOT (at least 1 s)."""
-        expected = self.output_lengths.mean(self.tiers[tier].name)
-        return max(1.0, math.ceil(expected * self._tier_tpot_ms[tier] / 1000.0))
+        """Seconds until a tier slot is likely free: one expected stay (at least 1 s)."""
+        return max(1.0, math.ceil(self._expected_stay_s(tier)))
+
+    def _expected_stay_s(self, tier: int) -> float:
+        """How long a request of `tier` placed now is expected to hold its place: its tier's expected output at
+        the tier's TPOT."""
+        return self.output_lengths.mean(self.tiers[tier].name) * self._tier_tpot_ms[tier] / 1000.0
 
     def _log(self, now: float, kind: str, request_id: str | None, instance_id: str | None, tier: int | None) -> None:
         self.counts[kind] += 1

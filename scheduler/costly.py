@@ -8,8 +8,8 @@ prompt: its prefill, its transfer and the KV its decode holds all grow with it, 
 to come with a long output (the conversation and code traces of the matrix).
 
 So, per tier: a request whose prompt is among the tier's costliest `share` of recent prompts is refused at once
-while the fleet is under pressure (`FleetPressure`: a request of any tier waited in a router queue among the
-fleet's latest arrivals) or when it finds no place (it would queue), while the refusals this made stay within
+while the fleet is under pressure (`FleetPressure`: a request of any tier waited in a router queue within the
+time a request placed now stays) or when it finds no place (it would queue), while the refusals this made stay within
 `share` of the tier's recent arrivals. A fleet where nothing has waited lately places every request and refuses
 none. Under pressure every tier spends its allowance, not only the one that queues: the instance time a looser
 tier's costly request takes is what a tighter tier waits for (its instances come from the same fleet, and a looser
@@ -80,27 +80,17 @@ class CostlyShare:
 
 @dataclass(slots=True)
 class FleetPressure:
-    """Whether a fleet is at its capacity, as its router sees it: a request waited in a queue among the fleet's
-    latest `recent` arrivals (the horizon a tier's costly share is judged over). A queue that forms now and then at
-    the edge keeps it on between the waits; a fleet where nothing has waited lately is off."""
-    recent: int = RECENT_ARRIVALS
-    _since_wait: int | None = field(default=None, init=False)  # arrivals since a request last waited (None: never)
+    """Whether a fleet is at its capacity, as its router sees it: a request waited in a router queue within the last
+    `hold_s` seconds, the time a request placed now is expected to hold its place. Until the residents that were
+    there when the queue formed have left, the fleet has not shown room; a costly request placed in that time takes
+    the place of cheaper ones for all of its own stay. A queue that forms now and then at the edge keeps it on between
+    the waits; a fleet where nothing has waited that long is off."""
+    _last_wait: float | None = field(default=None, init=False)  # when a request last waited (None: never)
 
-    def __post_init__(self):
-        if self.recent < 1:
-            raise ValueError(f"recent must be at least 1, got {self.recent}")
+    def waited(self, now: float) -> None:
+        """A request waits in a queue at `now` (queued, or found waiting as another arrived)."""
+        if self._last_wait is None or now > self._last_wait:
+            self._last_wait = now
 
-    def arrived(self, waiting: bool) -> None:
-        """A new request arrived; `waiting`: requests wait in the router's queues as it does."""
-        if waiting:
-            self._since_wait = 0
-        elif self._since_wait is not None:
-            self._since_wait += 1
-
-    def waited(self) -> None:
-        """A request was queued."""
-        self._since_wait = 0
-
-    @property
-    def on(self) -> bool:
-        return self._since_wait is not None and self._since_wait < self.recent
+    def on(self, now: float, hold_s: float) -> bool:
+        return self._last_wait is not None and now - self._last_wait < hold_s

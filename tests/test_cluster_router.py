@@ -17,7 +17,6 @@ from cluster.protocol import Resident
 from cluster.router import POOLED_AT_FULL_STEP, How, InstanceReport, Outcome, Router
 from scheduler.attainability import AttainabilityChecker, Rejection
 from scheduler.chunking import largest_chunk
-from scheduler.costly import RECENT_ARRIVALS
 from scheduler.instance_state import InstanceState, ResidentSummary
 from scheduler.roofline import emulated_latency_model
 from scheduler.tiers import Tier, TierSet
@@ -974,24 +973,25 @@ def test_placements_equal_those_of_the_reference_test_through_random_events():
 
 def test_costly_share_refuses_a_long_prompt_only_under_pressure():
     """A long prompt is placed while nothing has waited lately; refused rather than queued; refused though its tier
-    has room while a wait is among the fleet's latest arrivals; placed again once the waits are that far back; and
+    has room within a stay of the latest wait (the longest a request is expected to hold its place); placed again
+    once that has passed; and
     a request placed again after its instance was lost is never refused for its cost."""
     router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=1, idle_pool=0)),
                     queue_limit=8, costly_share=0.1)
     ready(router, "a")
 
-    def served(rid: str, prompt: int) -> None:
-        assert router.submit(request(rid, STD, prompt=prompt), 0.0).outcome is Outcome.PLACED
-        router.on_finished(rid, 100, 0.0)
+    def served(rid: str, prompt: int, now: float = 0.0) -> None:
+        assert router.submit(request(rid, STD, arrival=now, prompt=prompt), now).outcome is Outcome.PLACED
+        router.on_finished(rid, 100, now)
 
     for i in range(300):  # the tier's recent prompts: 100 to 1000 tokens, each served and gone
         served(f"h{i}", 100 + 3 * i)
-    assert not router.under_pressure()
+    assert not router.under_pressure(0.0)
     served("long-with-room", 1000)
     placed = 0  # "a" fills up with prompts not among the costliest, until one would queue: it does
     while (decision := router.submit(request(f"mid{placed}", STD, prompt=800), 0.0)).outcome is Outcome.PLACED:
         placed += 1
-    assert decision.outcome is Outcome.QUEUED and placed >= 2 and router.under_pressure()
+    assert decision.outcome is Outcome.QUEUED and placed >= 2 and router.under_pressure(0.0)
     refused = router.submit(request("long", STD, prompt=1000), 0.0)
     assert refused.outcome is Outcome.COSTLY and refused.retry_after_s >= 1 and "long" not in router.requests
     assert router.counts["costly"] == 1 and router.queue_length(STD) == 1
@@ -1003,14 +1003,12 @@ def test_costly_share_refuses_a_long_prompt_only_under_pressure():
     assert {p.request.request_id for p in router.retry_queued(0.0)} == {"lost", f"mid{placed}"}
     for rid in ("lost", f"mid{placed}"):
         router.on_finished(rid, 100, 0.0)
-    assert not any(router.queues) and not router.fleet["a"].residents and router.under_pressure()
+    assert not any(router.queues) and not router.fleet["a"].residents and router.under_pressure(0.0)
     assert router.submit(request("long-after-wait", STD, prompt=1000), 0.0).outcome is Outcome.COSTLY
     served("mid-after-wait", 800)
-    for i in range(RECENT_ARRIVALS):  # none of these waits (the longest of them may be refused, within the share)
-        outcome = router.submit(request(f"later{i}", STD, prompt=100 + i % 300 * 3), 0.0).outcome
-        assert outcome in (Outcome.PLACED, Outcome.COSTLY) and not any(router.queues)
-        router.on_finished(f"later{i}", 100, 0.0)
-    assert not router.under_pressure()
+    stay = max(router.retry_after(tier) for tier in range(len(TIERS)))  # the longest expected stay, rounded up
+    assert router.under_pressure(stay / 2) and not router.under_pressure(stay)
+    assert router.submit(request("long-later", STD, stay / 2, prompt=1000), stay / 2).outcome is Outcome.COSTLY
     costly = router.counts["costly"]
-    served("long-much-later", 1000)
+    served("long-much-later", 1000, now=stay)
     assert router.counts["costly"] == costly

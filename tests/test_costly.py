@@ -61,19 +61,16 @@ def test_follows_the_tiers_recent_prompts():
     assert share.refuse()  # long against the last `recent` prompts, though short against the burst
 
 
-def test_pressure_holds_from_a_wait_for_the_next_recent_arrivals_and_not_before_any():
-    pressure = FleetPressure(recent=300)
-    for _ in range(1000):  # nothing ever waited: a calm fleet, however many arrive
-        pressure.arrived(waiting=False)
-        assert not pressure.on
-    pressure.waited()  # a request was queued
-    for _ in range(299):
-        pressure.arrived(waiting=False)
-        assert pressure.on
-    pressure.arrived(waiting=False)
-    assert not pressure.on  # the wait is 300 arrivals back
-    pressure.arrived(waiting=True)  # one arrived while requests waited in a queue
-    assert pressure.on
+def test_pressure_holds_from_the_latest_wait_for_one_stay_and_not_before_any():
+    pressure = FleetPressure()
+    assert not any(pressure.on(t, hold_s=5.0) for t in (0.0, 100.0, 1e6))  # nothing ever waited: a calm fleet
+    pressure.waited(10.0)
+    assert pressure.on(10.0, hold_s=5.0) and pressure.on(14.9, hold_s=5.0)
+    assert not pressure.on(15.0, hold_s=5.0)  # a stay has passed since
+    assert pressure.on(15.0, hold_s=8.0)  # the longer the stays, the longer it holds
+    pressure.waited(20.0)
+    pressure.waited(18.0)  # a later word of an earlier wait moves nothing back
+    assert pressure.on(24.0, hold_s=5.0) and not pressure.on(25.0, hold_s=5.0)
 
 
 def test_bad_settings_are_refused_by_name():
@@ -83,5 +80,3 @@ def test_bad_settings_are_refused_by_name():
         CostlyShare(-0.1)
     with pytest.raises(ValueError, match="recent"):
         CostlyShare(0.1, recent=10)
-    with pytest.raises(ValueError, match="recent"):
-        FleetPressure(recent=0)
