@@ -97,8 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="share of each tier's requests that may be refused (429) for their cost while the fleet is "
                          "under pressure (a request waited in its queues within the longest expected stay) or when it "
                          "would queue: a prompt among its tier's costliest this share (scheduler/costly.py). Set it "
-                         "to what a tier may miss beyond the latency margins' share, e.g. 0.09 where every tier is "
-                         "held to 90 %% with margins at 0.01; 0 refuses none for cost")
+                         "to what a tier may miss beyond the latency margins' share, e.g. 0.08 where every tier is "
+                         "held to 90 %% with margins at 0.02; 0 refuses none for cost")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     ap.add_argument("--warm-spares", type=int, default=None,
                     help="engine processes kept started but unattached, so that a replacement or a new instance "
