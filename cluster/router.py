@@ -18,12 +18,12 @@ tells it what happened, it answers what to do:
 Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all); one whose
 prompt is among its tier's costliest `costly_share` is refused (scheduler/costly.py), not placed, while the fleet is
 under pressure (`under_pressure`: a request waited in a queue within the time a request placed now stays), and
-refused rather than queued when it finds no place. A request
-with companions (the other parallel samples of its request) is placed with them, all on one instance, the test
-counting each; a stream resumed after its instance was lost goes where its next token is predicted soonest. The test
-reads an instance through the resident summary the router keeps current (InstanceView.summary), so a scan costs
-O(log n) per instance of n residents; a step report pays the pass over them. A tier whose requests wait while it
-holds no instance and none is idle takes one from the loosest tier that holds any (`_take_from_loosest`).
+refused rather than queued when it finds no place. A request with companions (the other parallel samples of its
+request) is placed with them, all on one instance, the test counting each; a stream resumed after its instance
+was lost goes where its next token is predicted soonest. The test reads an instance through the resident summary the
+router keeps current (InstanceView.summary), so a scan costs O(log n) per instance of n residents; a step report
+pays the pass over them. A tier whose requests wait while it holds no instance and none is idle takes one from the
+loosest tier that holds any (`_take_from_loosest`).
 
 Prefill/decode disaggregation (`set_role`): prefill instances form a pool of their own, outside the tiers. PolyServe
 places a new request whole on a decode instance of its tier whose steps have time to spare (its KV bounds its batch

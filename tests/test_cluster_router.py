@@ -974,8 +974,7 @@ def test_placements_equal_those_of_the_reference_test_through_random_events():
 def test_costly_share_refuses_a_long_prompt_only_under_pressure():
     """A long prompt is placed while nothing has waited lately; refused rather than queued; refused though its tier
     has room within a stay of the latest wait (the longest a request is expected to hold its place); placed again
-    once that has passed; and
-    a request placed again after its instance was lost is never refused for its cost."""
+    once that has passed; and a request placed again after its instance was lost is never refused for its cost."""
     router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=1, idle_pool=0)),
                     queue_limit=8, costly_share=0.1)
     ready(router, "a")
