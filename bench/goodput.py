@@ -44,7 +44,8 @@ sitting) goes on with --resume where it stopped and gives what the whole run wou
 options and the same code (`code_fingerprint`) resumes from it. The PD experiment at 8, 16 and 64 instances took
 about 3 to 4 h on 2 processes per workload (conv-4tier's searches; the 64-instance ones 1.6 h). Where some cells
 were rerun after a change that left the others' code paths alone, --merge builds the matrix from the kept progress
-files, a later file's cells replacing an earlier one's, each cell's source and code recorded (`merge_matrix`).
+files, a later file's cells replacing an earlier one's and the last file's error sweep the earlier ones' whole, each
+result's source and code recorded (`merge_matrix`).
 
 Other experiments (--experiments): autoscaled: PolyServe autoscaled through conv-phase's phase change, SLO-attaining
 requests per instance-second held; speed: the time to simulate the whole conversation trace at 64 instances;
@@ -1314,7 +1315,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--merge", metavar="PROGRESS,...", default=None,
                     help="run nothing: the matrix of the cells (and sweep runs) kept in these goodput_progress.json "
                          "files, each file's replacing the earlier ones' of the same name (a rerun of some cells at a "
-                         "later commit after the whole matrix), written, printed and plotted in --out")
+                         "later commit after the whole matrix; a file's error sweep replaces the earlier ones' whole), "
+                         "written, printed and plotted in --out")
     return ap.parse_args(argv)
 
 
@@ -1381,12 +1383,18 @@ def describe_setup(args, plan: Plan, workload: WorkloadSpec) -> dict:
 def merge_matrix(paths: list[str], workloads: list[MatrixWorkload], plan: Plan, error: str,
                  sweep_setups: dict[str, MatrixWorkload] | None) -> tuple[dict, dict[str, dict]]:
     """The matrix of the jobs kept in the progress files at `paths`, in order, a later file's result replacing an
-    earlier one's of the same job; and by job, the file and code fingerprint its result came from."""
+    earlier one's of the same job; and by job, the file and code fingerprint its result came from. The error sweep
+    is the last file's that holds one, whole: its rates are shares of a bound of its own code, so two sweeps' runs
+    merged would interleave two grids."""
     results, sources = {}, {}
     for path in paths:
         saved = json.loads(Path(path).read_text())
+        source = {"file": path, "code": saved["key"]["code"]}
+        if any(key.startswith("sweep|") for key in saved["results"]):
+            for key in [key for key in results if key.startswith("sweep|")]:
+                del results[key], sources[key]
         for key, result in saved["results"].items():
-            results[key], sources[key] = result, {"file": path, "code": saved["key"]["code"]}
+            results[key], sources[key] = result, source
     cells = [r for k, r in results.items() if k.startswith("cell|")]
     sweep = [r for k, r in results.items() if k.startswith("sweep|")]
     return matrix_report(workloads, cells, sweep, plan, error, sweep_setups), sources

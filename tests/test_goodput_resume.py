@@ -111,3 +111,28 @@ def test_a_matrix_merged_from_kept_progress_takes_each_cell_from_the_last_file_t
     assert (tmp_path / "out" / "goodput_ratio_heatmap.png").exists() and "conv-4tier" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="matrix only"):
         main(["--merge", str(whole), "--experiments", "pd", "--out", str(tmp_path / "out")])
+
+
+def test_a_merged_matrix_takes_its_error_sweep_whole_from_the_last_file_that_holds_one(tmp_path):
+    """A rerun's sweep, its rates shares of another bound, replaces the first file's sweep rather than interleaving
+    with it: every run of the merged sweep is the rerun's, and the sweep prints."""
+    from pathlib import Path
+
+    from bench.goodput import main
+
+    whole = Path(__file__).resolve().parent.parent / "bench" / "results" / "goodput_progress.json"
+    saved = json.loads(whole.read_text())
+    old_sweep = {k: r for k, r in saved["results"].items() if k.startswith("sweep|")}
+    assert old_sweep
+    rerun = {}
+    for key, run in old_sweep.items():
+        moved = {**run, "rate": run["rate"] * 1.09}  # another grid: none of the first file's rates
+        rerun[f"{key}|rerun"] = moved
+    (tmp_path / "rerun.json").write_text(json.dumps({"key": {**saved["key"], "code": "rerun"}, "results": rerun}))
+    main(["--merge", f"{whole},{tmp_path / 'rerun.json'}", "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "goodput.json").read_text())
+    runs = report["matrix"]["sweep"]["runs"]
+    assert sorted(r["rate"] for r in runs) == pytest.approx(sorted(r["rate"] for r in rerun.values()), rel=1e-4)
+    assert all(report["merged_from"][key]["code"] == "rerun" for key in rerun)
+    assert not any(key in report["merged_from"] for key in old_sweep)
+
