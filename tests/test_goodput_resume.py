@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 
-from bench.goodput import JobProgress, make_plan, matrix_report, matrix_workloads, parse_args, run_matrix, write_plots
+from bench.goodput import (JobProgress, main, make_plan, matrix_report, matrix_workloads, parse_args, run_matrix,
+                           write_plots)
 from cluster.sim.workload import workload_spec
 
 WORKLOAD = "conv-2tier"
+# the committed progress of a whole matrix, which the merge tests take as the earlier run
+WHOLE_MATRIX_PROGRESS = Path(__file__).resolve().parent.parent / "bench" / "results" / "goodput_progress.json"
 
 
 def _plan():
@@ -89,11 +93,7 @@ def test_a_report_checkpointed_before_the_largest_fleet_ran_is_plotted(tmp_path)
 def test_a_matrix_merged_from_kept_progress_takes_each_cell_from_the_last_file_that_holds_it(tmp_path, capsys):
     """`--merge`: the matrix of the cells kept by earlier runs (here the committed progress of a whole matrix, and a
     rerun of one cell), the rerun's replacing the first's, each recorded with the file and code it came from."""
-    from pathlib import Path
-
-    from bench.goodput import main
-
-    whole = Path(__file__).resolve().parent.parent / "bench" / "results" / "goodput_progress.json"
+    whole = WHOLE_MATRIX_PROGRESS
     saved = json.loads(whole.read_text())
     key = "cell|conv-4tier|polyserve|64"
     rerun = {"key": {**saved["key"], "code": "rerun"}, "results": {key: json.loads(json.dumps(saved["results"][key]))}}
@@ -116,18 +116,12 @@ def test_a_matrix_merged_from_kept_progress_takes_each_cell_from_the_last_file_t
 def test_a_merged_matrix_takes_its_error_sweep_whole_from_the_last_file_that_holds_one(tmp_path):
     """A rerun's sweep, its rates shares of another bound, replaces the first file's sweep rather than interleaving
     with it: every run of the merged sweep is the rerun's, and the sweep prints."""
-    from pathlib import Path
-
-    from bench.goodput import main
-
-    whole = Path(__file__).resolve().parent.parent / "bench" / "results" / "goodput_progress.json"
+    whole = WHOLE_MATRIX_PROGRESS
     saved = json.loads(whole.read_text())
     old_sweep = {k: r for k, r in saved["results"].items() if k.startswith("sweep|")}
     assert old_sweep
-    rerun = {}
-    for key, run in old_sweep.items():
-        moved = {**run, "rate": run["rate"] * 1.09}  # another grid: none of the first file's rates
-        rerun[f"{key}|rerun"] = moved
+    # another grid: none of the first file's rates
+    rerun = {f"{key}|rerun": {**run, "rate": run["rate"] * 1.09} for key, run in old_sweep.items()}
     (tmp_path / "rerun.json").write_text(json.dumps({"key": {**saved["key"], "code": "rerun"}, "results": rerun}))
     main(["--merge", f"{whole},{tmp_path / 'rerun.json'}", "--out", str(tmp_path / "out")])
     report = json.loads((tmp_path / "out" / "goodput.json").read_text())
