@@ -18,7 +18,8 @@ tells it what happened, it answers what to do:
 Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all); one whose
 prompt is among its tier's costliest `costly_share` is refused (scheduler/costly.py), not placed, while the fleet is
 under pressure (`under_pressure`: a request waited in a queue within the time a request placed now stays), and
-refused rather than queued when it finds no place. A request with companions (the other parallel samples of its
+refused rather than queued when it finds no place; up to what is left of its tier's whole allowance while a tighter
+tier sheds. A request with companions (the other parallel samples of its
 request) is placed with them, all on one instance, the test counting each; a stream resumed after its instance
 was lost goes where its next token is predicted soonest. The test reads an instance through the resident summary the
 router keeps current (InstanceView.summary), so a scan costs O(log n) per instance of n residents; a step report
@@ -158,7 +159,9 @@ class Router:
         `costly_share`: the share of each tier's requests that may be refused for their cost while the fleet is
         under pressure (`CostlyShare`, `under_pressure`): a new request whose prompt is among its tier's costliest
         that share is refused at once, placed nowhere, when a request waited in a queue within the time a request
-        placed now is expected to stay, or when it would queue itself. Zero refuses none for cost."""
+        placed now is expected to stay, or when it would queue itself. While a tighter tier sheds, a tier refuses up
+        to what it has left of its whole allowance, `costly_share` and `headroom_target` together, less the losses it
+        measured (`CostlyShare.spare_share`). Zero refuses none for cost."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
@@ -175,8 +178,9 @@ class Router:
         self.headroom = [Headroom(headroom_target) for _ in tiers]  # by the tier whose TPOT an instance is held to
         # by request tier: the share of TTFT planned
         self.first_token_headroom = [Headroom(headroom_target) for _ in tiers]
-        self.costly = [CostlyShare(costly_share) for _ in tiers]
+        self.costly = [CostlyShare(costly_share, headroom_target if costly_share else 0.0) for _ in tiers]
         self.pressure = FleetPressure()
+        self._last_shed = [-math.inf] * len(tiers)  # per tier: when it last shed a request
         self.fleet = Fleet(len(tiers))
         # one queue per tier under every policy: "least-loaded-admission" ignores tiers in placement only, and
         # waiting as PolyServe's requests wait (the same bound per tier, retried tightest tier first, each tier in
@@ -311,7 +315,8 @@ class Router:
             req.late = req.resumed_tokens > 0 or not self._on_time_possible(req, now)
         if any(self.queues):
             self.pressure.waited(now)
-        if not readmit and self.under_pressure(now) and self.costly[req.tier_index].refuse():
+        spare = not readmit and self._tighter_shedding(req.tier_index, now)
+        if not readmit and self.under_pressure(now) and self.costly[req.tier_index].refuse(spare):
             self._log(now, "costly", req.request_id, None, req.tier_index)
             return Decision(Outcome.COSTLY, retry_after_s=self.retry_after(req.tier_index))
         placed = self._place(req, now)
@@ -325,10 +330,11 @@ class Router:
             self._log(now, "no_instance", req.request_id, None, req.tier_index)
             return Decision(Outcome.NO_INSTANCE)
         queue = self.queues[req.tier_index]
-        if not readmit and self.costly[req.tier_index].refuse():
+        if not readmit and self.costly[req.tier_index].refuse(spare):
             self._log(now, "costly", req.request_id, None, req.tier_index)
             return Decision(Outcome.COSTLY, retry_after_s=self.retry_after(req.tier_index))
         if not readmit and len(queue) >= self.queue_limit:
+            self.costly[req.tier_index].lost()
             self._log(now, "queue_full", req.request_id, None, req.tier_index)
             return Decision(Outcome.QUEUE_FULL, retry_after_s=self.retry_after(req.tier_index))
         self.pressure.waited(now)
@@ -345,6 +351,11 @@ class Router:
         placed now is expected to stay, the longest of the tiers')? Then a costly request served takes the place
         of cheaper ones."""
         return self.pressure.on(now, max(map(self._expected_stay_s, range(len(self.tiers)))))
+
+    def _tighter_shedding(self, tier: int, now: float) -> bool:
+        """Did a tier tighter than `tier` shed a request within the time one of `tier` placed now would stay? Then
+        `tier` may refuse for cost what it has left of its allowance (`CostlyShare.refuse`)."""
+        return now - max(self._last_shed[:tier], default=-math.inf) < self._expected_stay_s(tier)
 
     def hand_off(self, req: RoutedRequest, now: float, *, retry: bool = False) -> Decision:
         """A request a prefill instance ran to its first token (and left: `on_finished`), to be placed on a decode
@@ -386,8 +397,11 @@ class Router:
                     if headroom is None:
                         held = self._held_tier(view)
                         headroom, weight = self.headroom[held], self._pooled(held)
-                    req.standing = headroom.note_token(req.standing, req.num_output_tokens == 0,
-                                                       end > req.first_token_due + (out - 1) * req.tpot_s, weight)
+                    standing = headroom.note_token(req.standing, req.num_output_tokens == 0,
+                                                   end > req.first_token_due + (out - 1) * req.tpot_s, weight)
+                    if standing != req.standing:  # late, for the first time
+                        self.costly[req.tier_index].lost()
+                    req.standing = standing
                 req.num_output_tokens = out
                 req.num_computed_tokens = min(r.num_computed_tokens, req.num_prompt_tokens + out)
         view.num_blocks_used = report.num_blocks_used
@@ -439,6 +453,8 @@ class Router:
                         queue.popleft()
                         del self.requests[req.request_id]
                         self.shed.append(req)
+                        self._last_shed[req.tier_index] = now
+                        self.costly[req.tier_index].lost()
                         self._log(now, "shed", req.request_id, None, req.tier_index)
                         continue
                 placed = self._place(req, now)

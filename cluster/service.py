@@ -297,9 +297,8 @@ class RouterService:
                                  f"waiting, its bound", decision.retry_after_s)
         if decision.outcome is Outcome.COSTLY:
             raise QueueFullError(f"tier {routed.tier} has no place for a request now, and its "
-                                 f"{routed.num_prompt_tokens}-token prompt is among the tier's costliest "
-                                 f"{self.router.costly[routed.tier_index].share:.0%}: refused to keep the tier's other "
-                                 f"requests on time", decision.retry_after_s)
+                                 f"{routed.num_prompt_tokens}-token prompt is among the tier's costliest: refused to "
+                                 f"keep the fleet's other requests on time", decision.retry_after_s)
         if decision.outcome is Outcome.NO_INSTANCE:
             raise NoInstanceError("no engine instance is serving or starting, and none can be started")
         for c in companions:

@@ -17,10 +17,19 @@ tier's overflow goes onto tighter tiers' instances), and the rule holds each tie
 misses less than its share leaves unused the capacity that the worst tier needed. Never more than `share` of a
 tier's arrivals are refused for cost. The operator sets `share` to what the rule lets a tier miss beyond what the
 margins of prediction error already do (zero: none refused for cost, the default).
+
+A tier whose tighter neighbour sheds (its queued requests could no longer start on time) spends what it has left
+of its whole allowance, not only its share: the rule lets each tier miss `share` plus what the margins let miss
+(`margins_share`), and a looser tier that misses less than that (few of its requests late, none shed) refuses up to
+the rest, its costliest first, so that its instance time goes to the tier that is losing requests it cannot choose.
+What it has left is its allowance less every loss it measured among its recent arrivals: refused for cost, shed,
+refused with its queue full, first token late, a later token late. Less one standard error of that measured share
+over as many arrivals: a tier never spends a spare it only seems to have, and no tier goes past its allowance.
 """
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -39,15 +48,20 @@ def check_costly_share(share: float) -> None:
 
 @dataclass(slots=True)
 class CostlyShare:
-    """One tier's recent prompts and the refusals made for cost among its recent arrivals."""
+    """One tier's recent prompts, and the refusals made for cost and the other losses among its recent arrivals."""
     share: float = 0.0
+    margins_share: float = 0.0  # what the margins let miss: with `share`, the tier's whole allowance
     recent: int = RECENT_ARRIVALS
     _prompts: deque = field(default_factory=deque, init=False)  # (prompt tokens, refused) in arrival order
     _sorted: list = field(default_factory=list, init=False)  # the same prompt lengths, sorted
     _num_refused: int = field(default=0, init=False)
+    _num_arrived: int = field(default=0, init=False)  # every arrival so far
+    _losses: deque = field(default_factory=deque, init=False)  # the arrival count as each other loss was seen
 
     def __post_init__(self):
         check_costly_share(self.share)
+        if not 0 <= self.margins_share < 1 - self.share:
+            raise ValueError(f"margins share must lie in [0, 1 - share), got {self.margins_share}")
         if self.recent < MIN_ARRIVALS:
             raise ValueError(f"recent must be at least {MIN_ARRIVALS}, got {self.recent}")
 
@@ -62,20 +76,41 @@ class CostlyShare:
             self._num_refused -= refused
         self._prompts.append((prompt_tokens, False))
         bisect.insort(self._sorted, prompt_tokens)
+        self._num_arrived += 1
+        while self._losses and self._losses[0] <= self._num_arrived - self.recent:
+            self._losses.popleft()
 
-    def refuse(self) -> bool:
+    def lost(self) -> None:
+        """A request of the tier was lost otherwise than refused for cost: shed, refused with its queue full, or
+        a token of it late. Counted among the recent arrivals as of now (it arrived a little earlier)."""
+        if self.share:
+            self._losses.append(self._num_arrived)
+
+    def refuse(self, spare: bool = False) -> bool:
         """The tier's latest arrival came under pressure: is it refused for its cost? It is when its prompt is
         at or above the tier's costliest `share` of recent prompts and the refusals stay within `share` of the recent
-        arrivals with it; counted as one of them when so."""
+        arrivals with it; counted as one of them when so. With `spare` (a tighter tier sheds), up to what the tier
+        has left of its whole allowance where that is more (`spare_share`)."""
         seen = len(self._sorted)
-        if seen < MIN_ARRIVALS or self._num_refused + 1 > self.share * seen:
+        if seen < MIN_ARRIVALS:
+            return False
+        share = max(self.share, self.spare_share()) if spare else self.share
+        if self._num_refused + 1 > share * seen:
             return False
         prompt_tokens = self._prompts[-1][0]
-        if prompt_tokens < self._sorted[min(seen - 1, int((1.0 - self.share) * seen))]:
+        if prompt_tokens < self._sorted[min(seen - 1, int((1.0 - share) * seen))]:
             return False
         self._prompts[-1] = (prompt_tokens, True)
         self._num_refused += 1
         return True
+
+    def spare_share(self) -> float:
+        """The share of recent arrivals the tier may refuse for cost in all, its other losses and one standard
+        error of their measured share kept back from its whole allowance."""
+        seen = len(self._sorted)
+        allowance = self.share + self.margins_share
+        error = math.sqrt(allowance * (1.0 - allowance) / seen)
+        return allowance - error - len(self._losses) / seen
 
 
 @dataclass(slots=True)

@@ -1011,3 +1011,60 @@ def test_costly_share_refuses_a_long_prompt_only_under_pressure():
     costly = router.counts["costly"]
     served("long-much-later", 1000, now=stay)
     assert router.counts["costly"] == costly
+
+
+def test_a_looser_tier_spends_its_spare_while_a_tighter_tier_sheds_and_its_late_tokens_count_against_it():
+    """Two routers alike but for one thing: on one, a tight request queued until its first token could not be on
+    time and was shed. Then long std prompts arrive under pressure on both: the one whose tighter tier shed refuses
+    std's whole allowance (costly share and margins' share) less one standard error, the other only the share; once
+    a std stay has passed since the shed, the share alone again. A std request whose later token came late is a loss
+    that takes from what std has to spare, counted once."""
+    def loaded(shed: bool) -> Router:
+        router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=1,
+                                                                          idle_pool=0)),
+                        queue_limit=10_000, costly_share=0.08, headroom_target=0.02)
+        ready(router, "a")
+        for i in range(1000):  # std's recent prompts, each served and gone while nothing waited
+            assert router.submit(request(f"h{i}", STD, prompt=100 + i), 0.0).outcome is Outcome.PLACED
+            router.on_finished(f"h{i}", 100, 0.0)
+        n = 0
+        while router.submit(request(f"t{n}", TIGHT, prompt=100), 0.0).outcome is Outcome.PLACED:
+            n += 1
+        assert router.queue_length(TIGHT) == 1 and router.under_pressure(0.0)
+        if shed:
+            router.retry_queued(1.0)  # past its 500 ms first-token deadline: shed
+            assert [r.request_id for r in router.take_shed()] == [f"t{n}"]
+        else:
+            assert router.withdraw(f"t{n}")
+        return router
+
+    def refusals(router: Router, now: float, tag: str) -> int:
+        before = router.counts["costly"]
+        for i in range(100):
+            router.submit(request(f"{tag}{i}", STD, now, prompt=5000), now)
+        return router.counts["costly"] - before
+
+    shedding, calm = loaded(True), loaded(False)
+    seen = 1100  # std's arrivals once the long ones are in
+    spare = 0.1 - math.sqrt(0.1 * 0.9 / seen)
+    assert refusals(shedding, 1.0, "long") == math.floor(spare * seen)
+    assert refusals(calm, 1.0, "long") == math.floor(0.08 * seen)
+    stay = shedding.retry_after(STD)  # at least one expected std stay after the shed
+    assert refusals(shedding, 1.0 + stay, "later") == 0  # past its share of the 1200 arrivals already
+    assert shedding.costly[STD].spare_share() == pytest.approx(0.1 - math.sqrt(0.1 * 0.9 / 1200))
+
+
+    fresh = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=1, idle_pool=0)),
+                   costly_share=0.08, headroom_target=0.02)
+    ready(fresh, "a")
+    for i in range(300):
+        assert fresh.submit(request(f"h{i}", STD, prompt=100 + i), 0.0).outcome is Outcome.PLACED
+        fresh.on_finished(f"h{i}", 100, 0.0)
+    before = fresh.costly[STD].spare_share()
+    assert fresh.submit(request("slow", STD, prompt=100), 0.0).outcome is Outcome.PLACED
+    fresh.on_report("a", InstanceReport(0.4, 0, [Resident("slow", 100, 100, 1)]), 0.4)  # on time: no loss
+    fresh.on_report("a", InstanceReport(5.0, 0, [Resident("slow", 100, 100, 2)]), 5.0)  # far past its second token
+    fresh.on_report("a", InstanceReport(9.0, 0, [Resident("slow", 100, 100, 3)]), 9.0)  # one loss, counted once
+    seen = 301
+    assert fresh.costly[STD].spare_share() == pytest.approx(
+        0.1 - math.sqrt(0.1 * 0.9 / seen) - 1 / seen) and before == pytest.approx(0.1 - math.sqrt(0.1 * 0.9 / 300))

@@ -2,6 +2,7 @@
 fleet is under pressure."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -61,6 +62,57 @@ def test_follows_the_tiers_recent_prompts():
     assert share.refuse()  # long against the last `recent` prompts, though short against the burst
 
 
+def spare_refusals(share: CostlyShare, arrivals_n: int, losses_every: int | None) -> int:
+    """Every arrival long and asking with a tighter tier shedding; a loss of another kind every `losses_every`
+    arrivals (None: none). The refusals over the last `recent` arrivals."""
+    refused = []
+    for i in range(arrivals_n):
+        share.arrived(5000)
+        if losses_every and i % losses_every == 0:
+            share.lost()
+        refused.append(share.refuse(spare=True))
+    return sum(refused[-share.recent:])
+
+
+def test_a_tier_spends_what_is_left_of_its_allowance_only_while_a_tighter_tier_sheds():
+    """Share 0.08 of 1000 recent arrivals, the margins' 0.02: with no other losses it may refuse its whole tenth
+    less one standard error of it (sqrt(0.1 * 0.9 / 1000) = 0.0095): 90 of 1000, not 80; without `spare`, 80."""
+    spare = CostlyShare(0.08, 0.02, recent=1000)
+    arrivals(spare, range(1, 1001))
+    assert spare_refusals(spare, 3000, None) == 90
+    assert spare.spare_share() == pytest.approx(0.1 - math.sqrt(0.1 * 0.9 / 1000))
+    plain = CostlyShare(0.08, 0.02, recent=1000)
+    arrivals(plain, range(1, 1001))
+    refused = []
+    for _ in range(3000):
+        plain.arrived(5000)
+        refused.append(plain.refuse())
+    assert sum(refused[-1000:]) == 80
+
+
+def test_other_losses_take_from_the_spare_never_from_the_share():
+    """One loss in 50 (2 % of arrivals): what is left is 0.1 - 0.0095 - 0.02 < 0.08, so the share holds; one in
+    200 (0.5 %): 0.0855 of arrivals are refused, and refusals and losses together stay within the allowance."""
+    lossy = CostlyShare(0.08, 0.02, recent=1000)
+    arrivals(lossy, range(1, 1001))
+    assert spare_refusals(lossy, 3000, 50) == 80
+    light = CostlyShare(0.08, 0.02, recent=1000)
+    arrivals(light, range(1, 1001))
+    refused = spare_refusals(light, 3000, 200)
+    assert refused == 85
+    assert refused + 1000 // 200 <= 0.1 * 1000
+
+
+def test_losses_older_than_the_recent_arrivals_are_forgotten():
+    share = CostlyShare(0.08, 0.02, recent=MIN_ARRIVALS)
+    arrivals(share, [100] * MIN_ARRIVALS)
+    for _ in range(MIN_ARRIVALS):
+        share.lost()  # a storm of late requests: nothing left to spare
+    assert share.spare_share() < 0
+    arrivals(share, [100] * MIN_ARRIVALS)
+    assert share.spare_share() == pytest.approx(0.1 - math.sqrt(0.1 * 0.9 / MIN_ARRIVALS))
+
+
 def test_pressure_holds_from_the_latest_wait_for_one_stay_and_not_before_any():
     pressure = FleetPressure()
     assert not any(pressure.on(t, hold_s=5.0) for t in (0.0, 100.0, 1e6))  # nothing ever waited: a calm fleet
@@ -78,5 +130,7 @@ def test_bad_settings_are_refused_by_name():
         CostlyShare(1.0)
     with pytest.raises(ValueError, match="costly share"):
         CostlyShare(-0.1)
+    with pytest.raises(ValueError, match="margins share"):
+        CostlyShare(0.08, 0.95)
     with pytest.raises(ValueError, match="recent"):
         CostlyShare(0.1, recent=10)
