@@ -156,10 +156,17 @@ def _install_compile_warning() -> None:
     _compile_warning_installed = True
 
 
+def onednn_packs_bf16() -> bool:
+    """Can oneDNN pack bf16 weights on this CPU? It needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2-only part
+    (many AMD EPYCs) has neither, and there the projections run as plain bf16 matmuls."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def pack_linears_for_onednn(model: torch.nn.Module, batch_hint: int = 16) -> None:
     """bf16 on the CPU: pre-pack every projection's weight into oneDNN's blocked layout once, instead of on every
-    call (oneDNN's packed GEMM is much faster at decode batch sizes on AMX/AVX-512 parts; the same result)."""
-    if not torch.backends.mkldnn.is_available():
+    call (oneDNN's packed GEMM is much faster at decode batch sizes on AMX/AVX-512 parts; the same result). Nothing
+    where oneDNN cannot (`onednn_packs_bf16`)."""
+    if not onednn_packs_bf16():
         return
 
     def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None):
