@@ -98,7 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "under pressure (a request waited in its queues within the longest expected stay) or when it "
                          "would queue: a prompt among its tier's costliest this share (scheduler/costly.py). Set it "
                          "to what a tier may miss beyond the latency margins' share, e.g. 0.08 where every tier is "
-                         "held to 90 %% with margins at 0.02; 0 refuses none for cost")
+                         "held to 90 %% with margins at 0.02; while a tighter tier sheds, up to what the tier has "
+                         "left of this share and the headroom target together; 0 refuses none for cost")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     ap.add_argument("--warm-spares", type=int, default=None,
                     help="engine processes kept started but unattached, so that a replacement or a new instance "
