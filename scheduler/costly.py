@@ -24,7 +24,8 @@ of its whole allowance, not only its share: the rule lets each tier miss `share`
 the rest, its costliest first, so that its instance time goes to the tier that is losing requests it cannot choose.
 What it has left is its allowance less every loss it measured among its recent arrivals: refused for cost, shed,
 refused with its queue full, first token late, a later token late. Less one standard error of that measured share
-over as many arrivals: a tier never spends a spare it only seems to have, and no tier goes past its allowance.
+over as many arrivals: a tier never spends a spare it only seems to have, and its spare never takes it past its
+allowance.
 """
 from __future__ import annotations
 
@@ -106,8 +107,10 @@ class CostlyShare:
 
     def spare_share(self) -> float:
         """The share of recent arrivals the tier may refuse for cost in all, its other losses and one standard
-        error of their measured share kept back from its whole allowance."""
+        error of their measured share kept back from its whole allowance; none before MIN_ARRIVALS arrivals."""
         seen = len(self._sorted)
+        if seen < MIN_ARRIVALS:
+            return 0.0
         allowance = self.share + self.margins_share
         error = math.sqrt(allowance * (1.0 - allowance) / seen)
         return allowance - error - len(self._losses) / seen

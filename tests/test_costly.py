@@ -105,6 +105,7 @@ def test_other_losses_take_from_the_spare_never_from_the_share():
 
 def test_losses_older_than_the_recent_arrivals_are_forgotten():
     share = CostlyShare(0.08, 0.02, recent=MIN_ARRIVALS)
+    assert share.spare_share() == 0.0  # nothing to spare before a tier has been seen long enough
     arrivals(share, [100] * MIN_ARRIVALS)
     for _ in range(MIN_ARRIVALS):
         share.lost()  # a storm of late requests: nothing left to spare
