@@ -1019,14 +1019,20 @@ def test_a_looser_tier_spends_its_spare_while_a_tighter_tier_sheds_and_its_late_
     std's whole allowance (costly share and margins' share) less one standard error, the other only the share; once
     a std stay has passed since the shed, the share alone again. A std request whose later token came late is a loss
     that takes from what std has to spare, counted once."""
-    def loaded(shed: bool) -> Router:
+    def served_history(arrivals: int) -> Router:
+        """One instance, the every-tier rule's shares, and std's recent prompts, each served and gone while
+        nothing waited."""
         router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=1,
                                                                           idle_pool=0)),
                         queue_limit=10_000, costly_share=0.08, headroom_target=0.02)
         ready(router, "a")
-        for i in range(1000):  # std's recent prompts, each served and gone while nothing waited
+        for i in range(arrivals):
             assert router.submit(request(f"h{i}", STD, prompt=100 + i), 0.0).outcome is Outcome.PLACED
             router.on_finished(f"h{i}", 100, 0.0)
+        return router
+
+    def loaded(shed: bool) -> Router:
+        router = served_history(1000)
         n = 0
         while router.submit(request(f"t{n}", TIGHT, prompt=100), 0.0).outcome is Outcome.PLACED:
             n += 1
@@ -1053,13 +1059,7 @@ def test_a_looser_tier_spends_its_spare_while_a_tighter_tier_sheds_and_its_late_
     assert refusals(shedding, 1.0 + stay, "later") == 0  # past its share of the 1200 arrivals already
     assert shedding.costly[STD].spare_share() == pytest.approx(0.1 - math.sqrt(0.1 * 0.9 / 1200))
 
-
-    fresh = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=1, idle_pool=0)),
-                   costly_share=0.08, headroom_target=0.02)
-    ready(fresh, "a")
-    for i in range(300):
-        assert fresh.submit(request(f"h{i}", STD, prompt=100 + i), 0.0).outcome is Outcome.PLACED
-        fresh.on_finished(f"h{i}", 100, 0.0)
+    fresh = served_history(300)
     before = fresh.costly[STD].spare_share()
     assert fresh.submit(request("slow", STD, prompt=100), 0.0).outcome is Outcome.PLACED
     fresh.on_report("a", InstanceReport(0.4, 0, [Resident("slow", 100, 100, 1)]), 0.4)  # on time: no loss
