@@ -37,6 +37,7 @@ rest, at the end), then written into its blocks (`write_payload_part`) or its st
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import threading
 import weakref
@@ -542,11 +543,15 @@ class _BufferPool:
         self.max_bytes = max_bytes
         self.pin = pin  # page-locked buffers where CUDA is, for copies to the device in one DMA
         self._free: list[torch.Tensor] = []
+        # given back and not yet sorted in: a receiver's finalizer gives its buffers back wherever the collector
+        # runs, on a thread that may be inside `take` already, so `give` never waits for the lock
+        self._returned: collections.deque[torch.Tensor] = collections.deque()
         self._lock = threading.Lock()  # receivers are made and dropped on engine and transport threads alike
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least `nbytes`, kept or new."""
         with self._lock:
+            self._sort_in()
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
@@ -558,11 +563,20 @@ class _BufferPool:
         buffers.clear()
 
     def give(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buffer)
-            self._free.sort(key=torch.Tensor.numel, reverse=True)
-            while sum(b.numel() for b in self._free) > self.max_bytes:
-                self._free.pop()
+        """Kept for the next `take`; sorted in now unless the lock is held (then by the next `take` or `give`)."""
+        self._returned.append(buffer)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._sort_in()
+            finally:
+                self._lock.release()
+
+    def _sort_in(self) -> None:
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        self._free.sort(key=torch.Tensor.numel, reverse=True)
+        while sum(b.numel() for b in self._free) > self.max_bytes:
+            self._free.pop()
 
 
 _staging = _BufferPool(_STAGING_KEPT_BYTES, pin=True)
