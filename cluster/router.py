@@ -178,7 +178,7 @@ class Router:
         self.headroom = [Headroom(headroom_target) for _ in tiers]  # by the tier whose TPOT an instance is held to
         # by request tier: the share of TTFT planned
         self.first_token_headroom = [Headroom(headroom_target) for _ in tiers]
-        self.costly = [CostlyShare(costly_share, headroom_target if costly_share else 0.0) for _ in tiers]
+        self.costly = [CostlyShare(costly_share, headroom_target) for _ in tiers]
         self.pressure = FleetPressure()
         self._last_shed = [-math.inf] * len(tiers)  # per tier: when it last shed a request
         self.fleet = Fleet(len(tiers))

@@ -62,15 +62,15 @@ def test_follows_the_tiers_recent_prompts():
     assert share.refuse()  # long against the last `recent` prompts, though short against the burst
 
 
-def spare_refusals(share: CostlyShare, arrivals_n: int, losses_every: int | None) -> int:
-    """Every arrival long and asking with a tighter tier shedding; a loss of another kind every `losses_every`
-    arrivals (None: none). The refusals over the last `recent` arrivals."""
+def spare_refusals(share: CostlyShare, arrivals_n: int, losses_every: int | None, spare: bool = True) -> int:
+    """Every arrival long and asking, with a tighter tier shedding when `spare`; a loss of another kind every
+    `losses_every` arrivals (None: none). The refusals over the last `recent` arrivals."""
     refused = []
     for i in range(arrivals_n):
         share.arrived(5000)
         if losses_every and i % losses_every == 0:
             share.lost()
-        refused.append(share.refuse(spare=True))
+        refused.append(share.refuse(spare))
     return sum(refused[-share.recent:])
 
 
@@ -83,11 +83,7 @@ def test_a_tier_spends_what_is_left_of_its_allowance_only_while_a_tighter_tier_s
     assert spare.spare_share() == pytest.approx(0.1 - math.sqrt(0.1 * 0.9 / 1000))
     plain = CostlyShare(0.08, 0.02, recent=1000)
     arrivals(plain, range(1, 1001))
-    refused = []
-    for _ in range(3000):
-        plain.arrived(5000)
-        refused.append(plain.refuse())
-    assert sum(refused[-1000:]) == 80
+    assert spare_refusals(plain, 3000, None, spare=False) == 80
 
 
 def test_other_losses_take_from_the_spare_never_from_the_share():
