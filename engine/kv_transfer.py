@@ -572,11 +572,14 @@ class _BufferPool:
                 self._lock.release()
 
     def _sort_in(self) -> None:
+        if not self._returned:
+            return  # `_free` is sorted and within `max_bytes` already
         while self._returned:
             self._free.append(self._returned.popleft())
         self._free.sort(key=torch.Tensor.numel, reverse=True)
-        while sum(b.numel() for b in self._free) > self.max_bytes:
-            self._free.pop()
+        kept = sum(b.numel() for b in self._free)
+        while kept > self.max_bytes:
+            kept -= self._free.pop().numel()
 
 
 _staging = _BufferPool(_STAGING_KEPT_BYTES, pin=True)
