@@ -357,7 +357,7 @@ def test_a_decode_worker_lost_after_it_streamed_means_the_stream_migrates(llama_
             outs, lost = [], []
             async for out in streaming(fleet, "r", LONG):
                 outs.append(out)
-                if len(out.token_ids) == 3:
+                if not lost and len(out.token_ids) >= 3:  # a busy machine may stream tokens several at a time
                     lost.append(fleet.service.streams["r"].routed.instance_id)
                     await fleet.workers[lost[0]].stop()
             survivor = ({"decode-0", "decode-1"} - set(lost)).pop()
