@@ -6,10 +6,10 @@
 
 One request's prompt KV, in a cache of the model's shape whose blocks lie scattered (a shuffled block table), goes
 from a sender process to this one over 127.0.0.1. The KV path is the cluster's pull (cluster/worker.py): the sender
-frames the blocks (`stream_blocks(...).pieces()`: each chunk the cache's rows, checksummed where they lie) and
+frames the blocks (`stream_blocks(...).pieces()`: each chunk the cache's blocks, checksummed where they lie) and
 writes them as cluster protocol `KvData` frames from its asyncio connection's socket on a thread
-(`protocol.send_kv_frames`: `sendmsg` of each head and its rows); this side reads them as the decode worker does
-(`protocol.PullReader.read_message`: a chunk's head, then its data straight into the rows of the `KvReceiver`'s
+(`protocol.send_kv_frames`: `sendmsg` of each head and its blocks); this side reads them as the decode worker does
+(`protocol.PullReader.read_message`: a chunk's head, then its data straight into the `KvReceiver`'s
 blocks, checked there) into a receiver on a cache tensor of its own, as a decode engine's, and applies the complete
 transfer (`KvReceiver.apply`, as `Engine.finish_import` does). The plain copy sends the same bytes from one
 contiguous buffer in chunks of the same size, unframed and unchecked, into one preallocated buffer here: what the
@@ -81,7 +81,7 @@ class Case:
 
     def cache(self, device: str) -> torch.Tensor:
         layout = self.layout
-        return torch.empty(layout.num_layers, 2, self.num_blocks + SPARE_BLOCKS, BLOCK_SIZE, layout.num_kv_heads,
+        return torch.empty(self.num_blocks + SPARE_BLOCKS, layout.num_layers, 2, BLOCK_SIZE, layout.num_kv_heads,
                            layout.head_dim, dtype=DTYPES[self.dtype], device=device)
 
     def block_ids(self) -> list[int]:

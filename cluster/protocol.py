@@ -428,7 +428,7 @@ class PullReader:
     """The decode side of a KV pull connection, on a non-blocking socket of its own (`connect`) read through the
     event loop: messages as `read_message` reads them from a StreamReader, but a KvData frame that carries a chunk
     is read head first and its data straight from the socket to where the receiver wants it (`read_message`'s
-    `chunk_memory`: on a CPU cache the rows of the reserved blocks), with `recvmsg_into` over many rows at a time:
+    `chunk_memory`: on a CPU cache the reserved blocks), with `recvmsg_into` over many blocks at a time:
     each byte is copied once, by the kernel. It reads a few KiB ahead for the frames' headers and heads only; past
     that a peer's bytes wait in the socket, and the peer's writes in turn (backpressure). One read at a time."""
 

@@ -435,7 +435,7 @@ class Worker:
             finally:
                 self._end_pull(rid)
             return
-        # On a thread, blocking: the chunks go from the cache's rows with no copy but the kernel's. The blocks stay
+        # On a thread, blocking: the chunks go from the cache's blocks with no copy but the kernel's. The blocks stay
         # held until the thread is done with them, even when this task is cancelled first.
         stop = threading.Event()
         sending = asyncio.ensure_future(asyncio.to_thread(p.send_kv_frames, sock, frames.pieces(), KV_PULL_TIMEOUT_S,

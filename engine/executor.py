@@ -31,7 +31,7 @@ class Executor(Protocol):
     num_kv_blocks: int
     vocab_size: int
     device: torch.device  # where per-request sampling generators live
-    kv_cache: torch.Tensor | None  # [layers, 2, blocks, block_size, kv heads, head dim]; None: it keeps no KV
+    kv_cache: torch.Tensor | None  # [blocks, layers, 2, block_size, kv heads, head dim]; None: it keeps no KV
 
     def execute(self, batch: StepBatch) -> SamplerOutput: ...
 

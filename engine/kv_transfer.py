@@ -13,21 +13,22 @@ no prefix-cache entry, reads what part of a transfer reached them.
 The decode side pulls: it names the first block it needs (the leading blocks its own prefix cache already holds
 are not sent again). The stream is `KvBegin`, then `KvChunk`s of at most `max_chunk_bytes` in order, then `KvEnd`.
 The payload is the blocks one after another, each block all layers' K then V (`[layers, 2, block_size, kv heads,
-head dim]` in the cache's dtype): rows (`KvLayout.row_bytes`), one per (layer, K or V) of a block, each one run of
-bytes in a contiguous cache. A chunk is as many whole rows as fit, or a part of one row where a row does not fit.
-Each chunk carries its checksum (`chunk_checksum`, folded so that its rows start folds: `KvLayout.fold_bytes`) and
-the end a CRC-32 over those, in order.
+head dim]` in the cache's dtype, `KvLayout.block_bytes`): in the engine's block-major cache (`[blocks, layers, 2,
+...]`) each block is one run of bytes, and blocks with consecutive ids one longer run, so that a chunk is a few large
+pieces of memory however small one layer's share of a block is. A chunk is as many whole blocks as fit, or a part of
+one block where a block does not fit. Each chunk carries its checksum (`chunk_checksum`, folded so that its blocks
+start folds: `KvLayout.fold_bytes`) and the end a CRC-32 over those, in order.
 
 The frames are msgspec structs, tagged with `KV_WIRE_VERSION` as the cluster protocol's frames are with theirs, so
 a transport can carry them as they are (`encode_frame` / `decode_frame`). They live here, below the cluster,
 because the engine produces and checks them itself: an in-process transport needs no cluster code.
 
-Between two CPU caches nothing but the kernel copies the bytes. A sender takes each chunk as the cache's rows
+Between two CPU caches nothing but the kernel copies the bytes. A sender takes each chunk as the cache's blocks
 (`KvExport.pieces`: views, their checksum taken where they lie, `rows_checksum`) and a socket transport writes them
-as they are (`encode_chunk_head`, then the rows: `sendmsg`); from a device's cache a chunk crosses into pinned host
+as they are (`encode_chunk_head`, then the blocks: `sendmsg`); from a device's cache a chunk crosses into pinned host
 memory first, its checksum summed on the device before it does. On the receiving side a transport that reads a
 frame's head first (`decode_chunk_head`) reads the chunk's data straight into the memory the receiver gives for it
-(`KvReceiver.chunk_memory`, a `ChunkLanding`): into a CPU cache, the rows of the reserved blocks the bytes belong in,
+(`KvReceiver.chunk_memory`, a `ChunkLanding`): into a CPU cache, the reserved blocks the bytes belong in,
 where the receiver then checks them; into a device's cache, the chunk's place in a staging payload, which crosses to
 the device in one DMA from pinned memory at the end, where every chunk is checked at once (`payload_checksums`)
 before one indexed copy puts it into the blocks (`write_blocks`): the decode side's CPU does not read the payload
@@ -53,7 +54,7 @@ from engine.sampler import TopLogprobs
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
-KV_WIRE_VERSION = 3
+KV_WIRE_VERSION = 4
 # Each chunk costs a frame head, a checksum pass set-up (a launch and a read-back from a device) and a syscall or two
 # on either side: large chunks pay it rarely, one still crosses the wire in milliseconds, and the frame limit holds
 # twice this.
@@ -92,31 +93,27 @@ class KvLayout(msgspec.Struct, array_like=True, frozen=True):
 
     @classmethod
     def of_cache(cls, kv_cache: torch.Tensor | None, block_size: int) -> "KvLayout":
-        """The layout of an executor's cache `[layers, 2, blocks, block_size, kv heads, head dim]`, or None's."""
+        """The layout of an executor's cache `[blocks, layers, 2, block_size, kv heads, head dim]`, or None's."""
         if kv_cache is None:
             return cls(0, 0, 0, block_size, "none")
-        layers, _, _, size, heads, dim = kv_cache.shape
+        _, layers, _, size, heads, dim = kv_cache.shape
         name = next(n for n, d in DTYPES.items() if d == kv_cache.dtype)
         return cls(layers, heads, dim, size, name)
 
     @property
-    def row_bytes(self) -> int:
-        """One layer's K (or V) of one block: the payload's unit, one run of bytes in a contiguous cache."""
+    def block_bytes(self) -> int:
+        """One block's K and V of every layer: the payload's unit, one run of bytes in a block-major cache."""
         if self.num_layers == 0:
             return 0
-        return self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
-
-    @property
-    def block_bytes(self) -> int:
-        return self.num_layers * 2 * self.row_bytes
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
 
     @property
     def fold_bytes(self) -> int:
         """The width of the folds `chunk_checksum` sums a chunk's words over: 4 KiB, or the largest power of two
-        that divides a row when that is less, so that every row of a chunk of whole rows starts a fold and the sums
-        can be taken over the rows where they lie. A row that is no whole number of words folds by 4 KiB."""
-        row = self.row_bytes
-        fold = min(_FOLD_BYTES, row & -row) if row else _FOLD_BYTES
+        that divides a block when that is less, so that every block of a chunk of whole blocks starts a fold and the
+        sums can be taken over the blocks where they lie. A block that is no whole number of words folds by 4 KiB."""
+        block = self.block_bytes
+        fold = min(_FOLD_BYTES, block & -block) if block else _FOLD_BYTES
         return fold if fold >= _WORD.itemsize else _FOLD_BYTES
 
 
@@ -286,7 +283,7 @@ def _checksum_of(sums, tail, size: int) -> int:
 
 def rows_checksum(rows: list[np.ndarray] | list[torch.Tensor], fold_bytes: int) -> int:
     """`chunk_checksum` of the bytes of `rows` one after another, each a 2-D byte array whose rows are each one run
-    of bytes (equally spaced rows of a cache, a view of them): when every row is whole folds, the folds' sums are
+    of bytes (equally spaced blocks of a cache, a view of them): when every row is whole folds, the folds' sums are
     taken where the rows lie, with one numpy reduction per array, not a copy; else over a joined copy. Tensors (a
     device's cache) are summed where they lie, on their device (`_tensor_rows_checksum`)."""
     if rows and isinstance(rows[0], torch.Tensor):
@@ -349,10 +346,9 @@ def _chain(crc: int, checksum: int) -> int:
 
 def read_blocks(kv_cache: torch.Tensor, block_ids: list[int], out: np.ndarray | None = None) -> np.ndarray:
     """The blocks' KV as one host byte array, block after block (the payload's order): the leading bytes of `out`
-    (a byte array of at least their size) when given, else a new array. On the CPU through numpy, whose strided
-    copies of these slices are many times faster than torch's."""
+    (a byte array of at least their size) when given, else a new array."""
     raw = kv_cache.view(torch.uint8)
-    shape = (len(block_ids), *raw[:, :, 0].shape)
+    shape = (len(block_ids), *raw.shape[1:])
     size = int(np.prod(shape))
     if out is None:
         out = np.empty(size, dtype=np.uint8)
@@ -360,62 +356,56 @@ def read_blocks(kv_cache: torch.Tensor, block_ids: list[int], out: np.ndarray | 
         raise ValueError(f"out must be a flat byte array of at least {size} bytes, got {out.dtype} {out.shape}")
     blocks = out[:size].reshape(shape)
     if raw.device.type == "cpu":
-        cache = raw.numpy()
-        np.stack([cache[:, :, b] for b in block_ids], out=blocks)
+        np.take(raw.numpy(), block_ids, axis=0, out=blocks)
     else:
-        torch.from_numpy(blocks).copy_(torch.stack([raw[:, :, b] for b in block_ids]))
+        torch.from_numpy(blocks).copy_(raw[torch.tensor(block_ids, device=raw.device)])
     return out[:size]
 
 
 def write_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.Tensor) -> None:
     """The inverse of `read_blocks`: host bytes into the cache's blocks, in one indexed copy. On a device the
     payload crosses whole first (one DMA when it is pinned), a blocking copy: the payload may be reused once this
-    returns. On the CPU through numpy: torch's indexed copy of these byte slices is several times slower."""
+    returns. On the CPU through numpy: torch's indexed copy of byte rows is several times slower."""
     raw = kv_cache.view(torch.uint8)
-    blocks = payload.reshape(len(block_ids), *raw[:, :, 0].shape)
+    blocks = payload.reshape(len(block_ids), *raw.shape[1:])
     if raw.device.type == "cpu":
-        raw.numpy()[:, :, block_ids] = blocks.numpy().transpose(1, 2, 0, *range(3, blocks.dim()))
+        raw.numpy()[block_ids] = blocks.numpy()
         return
-    index = torch.tensor(block_ids, device=raw.device)
-    raw.index_copy_(2, index, blocks.to(raw.device).movedim(0, 2))
+    raw.index_copy_(0, torch.tensor(block_ids, device=raw.device), blocks.to(raw.device))
+
+
+def _block_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A contiguous cache's bytes as `[blocks, block bytes]`: a view whose rows are the payload's units."""
+    return kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
 
 
 def write_payload_part(kv_cache: torch.Tensor, block_ids: list[int], offset: int, data: np.ndarray) -> None:
     """Bytes `offset ..` of the payload of `block_ids` (`read_blocks`' order) into their places in a contiguous CPU
-    cache, the rest of the blocks untouched: a chunk written as it comes. A block's payload is its rows, one per
-    (layer, K or V), each one run of bytes in the cache: a part is one indexed copy of its whole rows and a copy
-    each of the parts of rows at its ends."""
+    cache, the rest of the blocks untouched: a chunk written as it comes, one indexed copy of its whole blocks and a
+    copy each of the parts of blocks at its ends."""
     if not kv_cache.is_contiguous():
         raise ValueError("write_payload_part writes into a contiguous cache only")
-    layers, _, num_blocks = kv_cache.shape[:3]
-    planes = kv_cache.view(torch.uint8).numpy().reshape(layers * 2, num_blocks, -1)  # a view: contiguous
-    rows_per_block, row = layers * 2, planes.shape[2]
-    ids = np.asarray(block_ids)
-
-    def row_of(index: int) -> np.ndarray:  # a payload row's bytes in the cache
-        block, plane = divmod(index, rows_per_block)
-        return planes[plane, ids[block]]
-
+    blocks = _block_rows(kv_cache).numpy()
+    unit, ids = blocks.shape[1], np.asarray(block_ids)
     start, end = offset, offset + len(data)
-    first, last = -(-start // row), end // row  # the whole rows: first .. last - 1
-    if first > last:  # inside one row
-        row_of(last)[start - last * row:end - last * row] = data
+    first, last = -(-start // unit), end // unit  # the whole blocks: first .. last - 1
+    if first > last:  # inside one block
+        blocks[ids[last], start - last * unit:end - last * unit] = data
         return
-    if start < first * row:
-        row_of(first - 1)[start - (first - 1) * row:] = data[:first * row - start]
+    if start < first * unit:
+        blocks[ids[first - 1], start - (first - 1) * unit:] = data[:first * unit - start]
     if first < last:
-        blocks, plane_of = np.divmod(np.arange(first, last), rows_per_block)
-        planes[plane_of, ids[blocks]] = data[first * row - start:last * row - start].reshape(-1, row)
-    if last * row < end:
-        row_of(last)[:end - last * row] = data[last * row - start:]
+        blocks[ids[first:last]] = data[first * unit - start:last * unit - start].reshape(-1, unit)
+    if last * unit < end:
+        blocks[ids[last], :end - last * unit] = data[last * unit - start:]
 
 
 def stream_blocks(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
                   first_block: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> "KvExport":
     """The frames of blocks `block_ids[first_block:]` (`KvExport`), read from the cache as they are consumed (a
-    consumer that stops early leaves the rest unread). A chunk holds as many whole rows (`KvLayout.row_bytes`) as
-    fit in `max_chunk_bytes`, or a part of one row where a row does not fit. ValueError for a bad chunk size or
-    first block, or a cache that is not contiguous (every executor's is)."""
+    consumer that stops early leaves the rest unread). A chunk holds as many whole blocks (`KvLayout.block_bytes`)
+    as fit in `max_chunk_bytes`, or a part of one block where a block does not fit. ValueError for a bad chunk size
+    or first block, or a cache that is not contiguous (every executor's is)."""
     if max_chunk_bytes < 1:
         raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
     if not 0 <= first_block <= len(block_ids):
@@ -445,86 +435,80 @@ class KvExport:
 
     def pieces(self) -> Iterator[tuple[KvBegin | KvChunk | KvEnd, list[memoryview]]]:
         """(frame, data): a chunk with its data empty and its `data` the buffers that hold it in order, views of
-        the cache's rows on the CPU (each one run of bytes, the blocks' bytes as they are when it is sent), of a
-        pinned host buffer read from a device's, valid until the next piece is asked for; the other frames with
-        none. Its checksum was taken where the data lies (`rows_checksum`), just before."""
+        the cache's blocks on the CPU (each run of consecutive blocks one buffer, the blocks' bytes as they are when
+        it is sent), of a pinned host buffer read from a device's, valid until the next piece is asked for; the
+        other frames with none. Its checksum was taken where the data lies (`rows_checksum`), just before."""
         return self._pieces
 
 
-def _chunk_spans(total: int, row: int, max_chunk_bytes: int) -> tuple[int, Iterator[tuple[int, int]]]:
-    """How many chunks a payload of `total` bytes in rows of `row` bytes makes, and each chunk's (start, end)."""
+def _chunk_spans(total: int, unit: int, max_chunk_bytes: int) -> tuple[int, Iterator[tuple[int, int]]]:
+    """How many chunks a payload of `total` bytes in blocks of `unit` bytes makes, and each chunk's (start, end)."""
     if not total:
         return 0, iter(())
-    if row <= max_chunk_bytes:
-        step = max_chunk_bytes // row * row
+    if unit <= max_chunk_bytes:
+        step = max_chunk_bytes // unit * unit
         return -(-total // step), ((start, min(start + step, total)) for start in range(0, total, step))
-    parts = -(-row // max_chunk_bytes)
-    return total // row * parts, ((start + at, min(start + at + max_chunk_bytes, start + row))
-                                  for start in range(0, total, row) for at in range(0, row, max_chunk_bytes))
+    parts = -(-unit // max_chunk_bytes)
+    return total // unit * parts, ((start + at, min(start + at + max_chunk_bytes, start + unit))
+                                   for start in range(0, total, unit) for at in range(0, unit, max_chunk_bytes))
 
 
-def _rows_of(planes, block_ids: list[int], rows_per_block: int, row: int, start: int, end: int) -> list:
-    """Payload bytes `start .. end` as views of the cache's planes `[layers * 2, blocks, row]` (numpy or torch), each
-    2-D: the part of a row the span starts in, then per block its whole rows in the span (equally spaced in the
-    cache), then the part of a row it ends in."""
-    def part(index: int, begin: int, stop: int):
-        block, plane = divmod(index, rows_per_block)
-        return planes[plane, block_ids[block], begin:stop][None]
-
-    first, last = -(-start // row), end // row  # the whole rows: first .. last - 1
-    if first > last:  # inside one row
-        return [part(last, start - last * row, end - last * row)]
-    views = [part(first - 1, start - (first - 1) * row, row)] if start < first * row else []
+def _blocks_of(blocks, block_ids: list[int], start: int, end: int) -> list:
+    """Payload bytes `start .. end` as views of the cache's `[blocks, block bytes]` (`_block_rows`, numpy or torch),
+    each 2-D: the part of a block the span starts in, then its whole blocks, a view per run of consecutive ids, then
+    the part of a block it ends in."""
+    unit = blocks.shape[1]
+    first, last = -(-start // unit), end // unit  # the whole blocks: first .. last - 1
+    if first > last:  # inside one block
+        return [blocks[block_ids[last], start - last * unit:end - last * unit][None]]
+    views = [blocks[block_ids[first - 1], start - (first - 1) * unit:][None]] if start < first * unit else []
     while first < last:
-        block, plane = divmod(first, rows_per_block)
-        count = min(last - first, rows_per_block - plane)
-        views.append(planes[plane:plane + count, block_ids[block]])
-        first += count
-    if last * row < end:
-        views.append(part(last, 0, end - last * row))
+        run = 1
+        while first + run < last and block_ids[first + run] == block_ids[first] + run:
+            run += 1
+        views.append(blocks[block_ids[first]:block_ids[first] + run])
+        first += run
+    if last * unit < end:
+        views.append(blocks[block_ids[last], :end - last * unit][None])
     return views
 
 
-def _row_views(array: np.ndarray, parts: list[np.ndarray]) -> list[memoryview]:
-    """Each row of `parts` (2-D byte views of the contiguous `array`) as a memoryview: slices of one memoryview of
-    `array`, several times cheaper to make than a memoryview of each numpy row, and a chunk has hundreds of rows
-    when they are small."""
+def _buffer_views(array: np.ndarray, parts: list[np.ndarray]) -> list[memoryview]:
+    """`parts` (2-D byte views of the contiguous `array`, each one run of bytes) as memoryviews: slices of one
+    memoryview of `array`, cheaper to make than a memoryview of each numpy view."""
     flat, base = memoryview(array.reshape(-1)), array.__array_interface__["data"][0]
     views = []
     for part in parts:
         offset = part.__array_interface__["data"][0] - base
-        stride, width = part.strides[0], part.shape[1]
-        starts = range(offset, offset + stride * len(part), stride) if len(part) != 1 else (offset,)
-        views += [flat[at:at + width] for at in starts]
+        views.append(flat[offset:offset + part.size])
     return views
 
 
 def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
             first_block: int, max_chunk_bytes: int) -> Iterator[tuple[KvBegin | KvChunk | KvEnd, list[memoryview]]]:
     wanted = block_ids[first_block:] if layout.block_bytes else []
-    row, rows_per_block = layout.row_bytes, 2 * layout.num_layers
     total = len(wanted) * layout.block_bytes
-    num_chunks, spans = _chunk_spans(total, row, max_chunk_bytes)
+    num_chunks, spans = _chunk_spans(total, layout.block_bytes, max_chunk_bytes)
     yield KvBegin(request_id, layout, first_block, len(block_ids), total, num_chunks), []
     crc, staging = 0, None
     if num_chunks:
-        planes = kv_cache.view(torch.uint8).view(rows_per_block, kv_cache.shape[2], row)
-        if planes.device.type == "cpu":
-            planes = planes.numpy()
-        else:  # each chunk crosses into this pinned buffer first, one DMA per run of rows
+        blocks = _block_rows(kv_cache)
+        if blocks.device.type == "cpu":
+            blocks = blocks.numpy()
+        else:  # each chunk crosses into this pinned buffer first, one DMA per run of blocks
             staging = _staging.take(min(total, max_chunk_bytes))
     try:
         for index, (start, end) in enumerate(spans):
-            rows = _rows_of(planes, wanted, rows_per_block, row, start, end)
-            checksum = rows_checksum(rows, layout.fold_bytes)  # a device's on the device, before the copy out
+            parts = _blocks_of(blocks, wanted, start, end)
+            checksum = rows_checksum(parts, layout.fold_bytes)  # a device's on the device, before the copy out
             if staging is not None:
                 at = 0
-                for part in rows:
+                for part in parts:
                     staging[at:at + part.numel()].view(part.shape).copy_(part)
                     at += part.numel()
                 views = [memoryview(staging[:at].numpy())]
             else:
-                views = _row_views(planes, rows)
+                views = _buffer_views(blocks, parts)
             crc = _chain(crc, checksum)
             yield KvChunk(request_id, index, checksum, b""), views
     finally:
@@ -588,7 +572,7 @@ _staging = _BufferPool(_STAGING_KEPT_BYTES, pin=True)
 class ChunkLanding:
     """The memory a chunk's bytes go to, as a receiver gives it out (`KvReceiver.chunk_memory`): `buffers` in order,
     which a transport fills (`fill`, `write`) and then `receive`s as the chunk's data. Into a CPU cache they are the
-    rows of the reserved blocks the bytes belong in, so that nothing copies them again; else one buffer of staging.
+    reserved blocks the bytes belong in, so that nothing copies them again; else one buffer of staging.
     Each fill goes in under the receiver's lock and none after `KvReceiver.cancel`: the blocks may be given back as
     soon as it returns."""
 
@@ -645,7 +629,7 @@ class ChunkLanding:
 
 class KvReceiver:
     """One incoming transfer into a decode engine's reserved blocks. `receive` takes the frames in order and checks
-    them as they come. Into a cache on the CPU (`kv_cache`, `in_place`) each chunk lands in the rows of its reserved
+    them as they come. Into a cache on the CPU (`kv_cache`, `in_place`) each chunk lands in its reserved
     blocks, is checked there and counts once its checksum holds: until `Engine.finish_import` marks them computed
     nothing reads those blocks, and a transfer that fails gives them back as they are (a failed chunk's bytes in
     them too), with no prefix-cache entry naming them. Into a device's cache (or with none) the payload waits in
@@ -675,8 +659,8 @@ class KvReceiver:
         self._unchecked: list[tuple[int, int, int]] = []
         self._buffers: list[torch.Tensor] = []  # host buffers taken from `_staging`, given back when it goes
         weakref.finalize(self, _staging.give_all, self._buffers).atexit = False
-        if self.in_place:  # the cache's rows, `[layers * 2, blocks, row]`: a view
-            self._planes = kv_cache.view(torch.uint8).numpy().reshape(2 * layout.num_layers, kv_cache.shape[2], -1)
+        if self.in_place:  # the cache's blocks, `[blocks, block bytes]`: a view
+            self._blocks = _block_rows(kv_cache).numpy()
         elif self.total_bytes:
             self._buffers.append(_staging.take(self.total_bytes))
             self.payload = self._buffers[-1][:self.total_bytes]
@@ -686,7 +670,7 @@ class KvReceiver:
         self._writing = threading.Lock()  # a write into the cache against `cancel`
         self._received = self._num_chunks = self._next_index = self._crc = 0
         self._landing: ChunkLanding | None = None  # the last `chunk_memory`, until the next chunk is received
-        self._landing_rows: list[np.ndarray] = []  # its rows, in place: where its checksum is taken
+        self._landing_blocks: list[np.ndarray] = []  # its blocks' views, in place: where its checksum is taken
 
     @property
     def request_id(self) -> str:
@@ -724,17 +708,13 @@ class KvReceiver:
             raise KvTransferError(f"request {self.request_id!r}: a chunk of {nbytes} bytes runs past the announced "
                                   f"{self.total_bytes} bytes ({self._received} received)")
         if self.in_place:
-            self._landing_rows = self._rows(self._received, end)
-            buffers = _row_views(self._planes, self._landing_rows)
+            self._landing_blocks = _blocks_of(self._blocks, self.block_ids[self.first_block:self.handoff.num_blocks],
+                                              self._received, end)
+            buffers = _buffer_views(self._blocks, self._landing_blocks)
         else:
             buffers = [memoryview(self.payload.numpy()[self._received:end])]
         self._landing = ChunkLanding(buffers, self)
         return self._landing
-
-    def _rows(self, start: int, end: int) -> list[np.ndarray]:
-        layout = self.handoff.layout
-        return _rows_of(self._planes, self.block_ids[self.first_block:self.handoff.num_blocks],
-                        2 * layout.num_layers, layout.row_bytes, start, end)
 
     def _begin(self, begin: KvBegin) -> None:
         if self._begun:
@@ -762,7 +742,7 @@ class KvReceiver:
                 raise KvTransferError(f"request {self.request_id!r}: chunk {index} landed {data.filled} of its "
                                       f"{data.nbytes} bytes")
             if self.in_place:
-                self._check(index, rows_checksum(self._landing_rows, fold), chunk.checksum)
+                self._check(index, rows_checksum(self._landing_blocks, fold), chunk.checksum)
             else:
                 self._staged(index, end, data.buffers[0], chunk.checksum)
         elif self.in_place:  # checked as it came, then written into its blocks while it is still cached

@@ -33,10 +33,12 @@ class ModelRunner:
                                                                            config.gpu_memory_utilization)
         if self.num_kv_blocks < 1:
             raise ValueError("no memory left for the KV cache")
-        self.kv_cache = torch.empty(model_cfg.num_layers, 2, self.num_kv_blocks, self.block_size,
+        # block-major: a block's K and V of every layer are one run of bytes, what a KV hand-off sends
+        # (engine.kv_transfer); each layer's cache is a view whose blocks are strided
+        self.kv_cache = torch.empty(self.num_kv_blocks, model_cfg.num_layers, 2, self.block_size,
                                     model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]
         self.graphs = None
         max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         if ops.name in ("triton", "triton-interpreter", "cuda"):  # Triton kernels: every variant compiles here
@@ -60,7 +62,7 @@ class ModelRunner:
         from kernels.attention import LONG_DECODE_MIN_SEQS  # Triton: only where Triton kernels run
 
         dev = self.device
-        self.kv_cache[:, :, 0].zero_()
+        self.kv_cache[0].zero_()
         for decodes in sorted({1, min(LONG_DECODE_MIN_SEQS, max_num_seqs)}):
             for max_seq_len in (2, max_model_len):
                 set_context(AttentionContext(

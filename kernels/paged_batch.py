@@ -3,7 +3,8 @@
 Blocks are handed out in a shuffled order (block tables are never the identity), table entries past a sequence's
 last block point at spare blocks (block 0 among them), and every cache slot no sequence owns (spare blocks, the
 tail of a last block) can be filled with NaN, so an attention kernel that reads a key it should not shows it in
-its output.
+its output. K and V lie as in one layer of the engine's block-major cache: a block's K and V side by side, so
+that the blocks of each are strided, as the engine's are.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 @dataclass(slots=True)
 class PagedBatch:
     q: torch.Tensor                # [T, Hq, D]
-    k_cache: torch.Tensor          # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor          # [num_blocks, block_size, Hkv, D], blocks strided
     v_cache: torch.Tensor
     block_tables: torch.Tensor     # int32 [B, max_blocks]
     seq_lens: torch.Tensor         # int32 [B]
@@ -62,9 +63,9 @@ def random_paged_batch(q_lens: list[int], context_lens: list[int], num_q_heads: 
         slots = torch.arange(count * block_size, device=device) < length
         owned[mine.long()] = slots.view(count, block_size)
 
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=generator, device=device, dtype=dtype)
-    v_cache = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    kv = torch.randn((num_blocks, 2, block_size, num_kv_heads, head_dim), generator=generator, device=device,
+                     dtype=dtype)
+    k_cache, v_cache = kv[:, 0], kv[:, 1]
     if poison_unused:
         k_cache[~owned] = float("nan")
         v_cache[~owned] = float("nan")

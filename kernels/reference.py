@@ -2,7 +2,7 @@
 
 Shapes shared by all attention ops (a flattened mixed batch of B sequences and T query tokens):
     q                [T, Hq, D]
-    k_cache, v_cache [num_blocks, block_size, Hkv, D]
+    k_cache, v_cache [num_blocks, block_size, Hkv, D]  (the blocks may be strided: one layer of a block-major cache)
     block_tables     int32 [B, max_blocks_per_seq]  (entries past a sequence's blocks are ignored)
     seq_lens         int32 [B]   context length of each sequence after this step's tokens are stored
     query_start_loc  int32 [B+1] the query tokens of sequence i are q[query_start_loc[i]:query_start_loc[i+1]]
@@ -18,8 +18,9 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     """Write k, v [T, Hkv, D] into the caches at flat slots `slot_mapping` [T] (block * block_size + offset); -1 skips."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    block_size = k_cache.shape[1]
+    k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

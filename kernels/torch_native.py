@@ -5,6 +5,9 @@ reads K and V in place from the paged cache; without that extension (or off the 
 `scaled_dot_product_attention` call over their gathered, padded contexts. Each prefill chunk gets its own SDPA call
 with a causal mask offset by its cached prefix. The plan (decode rows and their tables, gathers, masks) depends only
 on the step's metadata, so it is built once per step and reused by every layer.
+
+A layer's cache may have its blocks strided (one layer of a block-major cache): it is read and written as a flat
+view of token rows over the whole storage, `_token_rows`, where block b's slot o is row b * rows_per_block + o.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from kernels import cpu_native
 
 @dataclass(slots=True)
 class _Plan:
-    key: tuple  # the metadata tensors the plan was built from (compared by identity)
+    key: tuple  # the metadata tensors the plan was built from (compared by identity), then the cache's shape
     decode_rows: torch.Tensor  # query rows of decode sequences
     # for the C++ kernel (None without it): the decode sequences' block tables [Bd, max_blocks] and lengths [Bd]
     decode_tables: torch.Tensor | None
@@ -33,9 +36,22 @@ class _Plan:
 _last_plan: _Plan | None = None
 
 
-def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+def _slots(block_table: torch.Tensor, seq_len: int, block_size: int, rows_per_block: int) -> torch.Tensor:
     pos = torch.arange(seq_len, device=block_table.device)
-    return block_table.long()[pos // block_size] * block_size + pos % block_size
+    return block_table.long()[pos // block_size] * rows_per_block + pos % block_size
+
+
+def _token_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`cache` [blocks, block_size, Hkv, D] as a view [rows, Hkv, D] of its storage whose rows are its tokens' (a
+    block's slots one after another, `rows_per_block` rows from one block's first to the next's), and that count.
+    A contiguous cache's rows are its slots; a strided one's span the other layers' rows between its blocks too."""
+    num_blocks, block_size, heads, dim = cache.shape
+    row = cache.stride(1)
+    if cache.stride(3) != 1 or cache.stride(2) != dim or row != heads * dim or cache.stride(0) % row:
+        raise ValueError(f"a cache's blocks must be whole token rows of contiguous heads, got strides {cache.stride()}")
+    rows_per_block = cache.stride(0) // row
+    rows = (num_blocks - 1) * rows_per_block + block_size if num_blocks else 0
+    return cache.as_strided((rows, heads, dim), (row, dim, 1)), rows_per_block
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -43,10 +59,12 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _plan(block_tables, seq_lens, query_start_loc, block_size: int, dtype: torch.dtype) -> _Plan:
+def _plan(block_tables, seq_lens, query_start_loc, block_size: int, rows_per_block: int,
+          dtype: torch.dtype) -> _Plan:
     global _last_plan
-    key = (block_tables, seq_lens, query_start_loc, block_size, dtype)
-    if _last_plan is not None and all(a is b for a, b in zip(_last_plan.key, key)):
+    key = (block_tables, seq_lens, query_start_loc, (block_size, rows_per_block, dtype))
+    if _last_plan is not None and all(a is b for a, b in zip(_last_plan.key[:3], key)) \
+            and _last_plan.key[3] == key[3]:
         return _last_plan
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     dev = block_tables.device
@@ -59,7 +77,8 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int, dtype: torch
             q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)[:, None]
             # no cached prefix: plain causal, which lets SDPA take its fused kernel instead of a materialised mask
             mask = None if q_len == seq_len else _additive(torch.arange(seq_len, device=dev)[None, :] <= q_pos, dtype)
-            prefills.append((starts[i], starts[i + 1], _slots(block_tables[i], seq_len, block_size), mask))
+            prefills.append((starts[i], starts[i + 1], _slots(block_tables[i], seq_len, block_size, rows_per_block),
+                             mask))
     rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=dev)
     if dev.type == "cpu" and cpu_native.available():
         if len(decode) == len(lens):  # every sequence decodes: its tables as they are, no copy
@@ -73,7 +92,7 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size: int, dtype: torch
     slots = torch.zeros(len(decode), width, dtype=torch.long, device=dev)
     mask = torch.zeros(len(decode), 1, 1, width, dtype=torch.bool, device=dev)
     for row, i in enumerate(decode):
-        own = _slots(block_tables[i], lens[i], block_size)
+        own = _slots(block_tables[i], lens[i], block_size, rows_per_block)
         # Pad with the sequence's own first slot, never another block's: unowned slots may hold NaN (the pool is
         # torch.empty), and a masked NaN key still turns P·V into NaN.
         slots[row] = own[0] if lens[i] else 0
@@ -88,9 +107,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int | None = None, max_seq_len: int | None = None,
                     num_splits: int | None = None, num_decodes: int | None = None) -> torch.Tensor:
     """kernels.reference.paged_attention, vectorised; the keyword hints (for the GPU kernels) are ignored."""
-    plan = _plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], q.dtype)
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    (k_flat, rows_per_block), (v_flat, _) = _token_rows(k_cache), _token_rows(v_cache)
+    plan = _plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], rows_per_block, q.dtype)
     gqa = q.shape[1] != k_cache.shape[2]
     decode_only = not plan.prefills and len(plan.decode_rows) == q.shape[0]  # q is all decode rows, in order
     out = None if decode_only and q.shape[0] else torch.empty_like(q)
@@ -126,26 +144,30 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    slots, keep = _store_slots(slot_mapping)
+    (k_rows, rows_per_block), (v_rows, _) = _token_rows(k_cache), _token_rows(v_cache)
+    slots, keep = _store_slots(slot_mapping, k_cache.shape[1], rows_per_block)
     if keep is not None:
         k, v = k[keep], v[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+    k_rows.index_copy_(0, slots, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+    v_rows.index_copy_(0, slots, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
 
 
 _last_store: tuple | None = None
 
 
-def _store_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The int64 slots to write (index_copy_ takes no other) and the rows to keep (None: all); every layer stores
-    with the same slot_mapping, so this is worked out (with its host sync) once per step."""
+def _store_slots(slot_mapping: torch.Tensor, block_size: int,
+                 rows_per_block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The int64 token rows to write (`_token_rows`; index_copy_ takes no other index) and the rows of k and v to
+    keep (None: all); every layer stores with the same slot_mapping, so this is worked out (with its host sync) once
+    per step."""
     global _last_store
-    if _last_store is None or _last_store[0] is not slot_mapping:
+    key = (slot_mapping, block_size, rows_per_block)
+    if _last_store is None or _last_store[0][0] is not slot_mapping or _last_store[0][1:] != key[1:]:
         keep = slot_mapping >= 0  # negative: a padding row (CUDA-graph batches), written nowhere
-        if bool(keep.all()):
-            _last_store = (slot_mapping, slot_mapping.long(), None)
-        else:
-            _last_store = (slot_mapping, slot_mapping[keep].long(), keep)
+        slots, keep = (slot_mapping.long(), None) if bool(keep.all()) else (slot_mapping[keep].long(), keep)
+        if rows_per_block != block_size:
+            slots = slots // block_size * rows_per_block + slots % block_size
+        _last_store = (key, slots, keep)
     return _last_store[1], _last_store[2]
 
 

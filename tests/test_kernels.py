@@ -251,9 +251,12 @@ def test_paged_attention_rejects_bad_input(ops, bad, message):
                             num_splits=bad.get("num_splits"))
 
 
+@pytest.mark.parametrize("block_major", [True, False], ids=["block-major", "contiguous"])
 @pytest.mark.parametrize("dtype, slot_dtype, block_size", [(F32, torch.int64, 16), (BF16, torch.int32, 32),
                                                            (F16, torch.int64, 16)])
-def test_store_kvcache_writes_exactly_the_mapped_slots(ops, dtype, slot_dtype, block_size):
+def test_store_kvcache_writes_exactly_the_mapped_slots(ops, dtype, slot_dtype, block_size, block_major):
+    """Into a layer of a block-major cache (the engine's: blocks strided, the other layers' between them) or a
+    contiguous one: the mapped slots and nothing else, the other layers untouched."""
     generator = torch.Generator(DEVICE).manual_seed(11)
     tokens, kv_heads, head_dim, num_blocks = 37, 3, 64, 9
     # k and v as the model produces them: column slices of one fused projection, not contiguous.
@@ -263,25 +266,32 @@ def test_store_kvcache_writes_exactly_the_mapped_slots(ops, dtype, slot_dtype, b
     slots = torch.randperm(num_blocks * block_size, generator=generator, device=DEVICE)[:tokens]
     slots[torch.randperm(tokens, generator=generator, device=DEVICE)[:5]] = -1
     slot_mapping = slots.to(slot_dtype)
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=generator, device=DEVICE).to(dtype)
-    v_cache = torch.randn(shape, generator=generator, device=DEVICE).to(dtype)
-    k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    reference.store_kvcache(k, v, k_expected, v_expected, slot_mapping)
+    shape = (num_blocks, 3, 2, block_size, kv_heads, head_dim) if block_major else (2, num_blocks, block_size,
+                                                                                     kv_heads, head_dim)
+    cache = torch.randn(shape, generator=generator, device=DEVICE).to(dtype)
+
+    def layer(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (kv[:, 1, 0], kv[:, 1, 1]) if block_major else (kv[0], kv[1])
+
+    expected = cache.clone()
+    reference.store_kvcache(k, v, *layer(expected), slot_mapping)
+    assert not torch.equal(expected, cache)
     for bundle in (ops, get_ops(DEVICE, backend="torch")):
-        k_out, v_out = k_cache.clone(), v_cache.clone()
-        bundle.store_kvcache(k, v, k_out, v_out, slot_mapping)
-        assert torch.equal(k_out, k_expected) and torch.equal(v_out, v_expected), bundle.name
+        out = cache.clone()
+        bundle.store_kvcache(k, v, *layer(out), slot_mapping)
+        assert torch.equal(out, expected), bundle.name
 
 
 def test_store_then_attend_over_chunked_prefill_and_decodes(ops):
-    """The engine's use: each step stores its new K/V, then attends. Two sequences prefill in chunks that end
-    mid-block, then decode; the Triton bundle and the reference bundle must agree at every step."""
+    """The engine's use: each step stores its new K/V into one layer of a block-major cache, then attends. Two
+    sequences prefill in chunks that end mid-block, then decode; the Triton, torch and reference bundles must agree
+    at every step, and no bundle writes into the other layers."""
     generator = torch.Generator(DEVICE).manual_seed(5)
     q_heads, kv_heads, head_dim, block_size, dtype = 6, 2, 64, 16, F16
     block_tables = torch.tensor([[5, 2, 7, 0], [3, 6, 1, 4]], dtype=torch.int32, device=DEVICE)
-    caches = {name: [torch.zeros(8, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
-              for name in ("triton", "reference")}
+    block_major = {name: torch.zeros(8, 3, 2, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+                   for name in ("triton", "torch", "reference")}
+    caches = {name: (kv[:, 1, 0], kv[:, 1, 1]) for name, kv in block_major.items()}
     seq_lens = [0, 0]
     for step_q_lens in ([11, 0], [20, 13], [1, 9], [1, 1], [1, 1]):
         positions = [torch.arange(seq_lens[i], seq_lens[i] + n) for i, n in enumerate(step_q_lens)]
@@ -294,13 +304,17 @@ def test_store_then_attend_over_chunked_prefill_and_decodes(ops):
         query_start_loc = torch.tensor([0, step_q_lens[0], tokens], dtype=torch.int32, device=DEVICE)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         outs = {}
-        for name, bundle in (("triton", ops), ("reference", get_ops("cpu"))):
+        for name, bundle in (("triton", ops), ("torch", get_ops(DEVICE, backend="torch")),
+                             ("reference", get_ops(DEVICE, backend="reference"))):
             k_cache, v_cache = caches[name]
             bundle.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
             outs[name] = bundle.paged_attention(q, k_cache, v_cache, block_tables, lens, query_start_loc,
                                                 head_dim ** -0.5)
-        assert torch.equal(caches["triton"][0], caches["reference"][0])
+        assert torch.equal(block_major["triton"], block_major["reference"])
+        assert torch.equal(block_major["torch"], block_major["reference"])
+        assert not block_major["reference"][:, [0, 2]].any()
         assert_close(outs["triton"], outs["reference"], dtype)
+        assert_close(outs["torch"], outs["reference"], dtype)
 
 
 @pytest.mark.parametrize("dtype, shape", [(F32, (5, 200)), (BF16, (7, 3, 64)), (F16, (4, 1000))])

@@ -1,7 +1,7 @@
-"""The KV pull over a real socket (cluster/protocol.py): the sender writes each chunk from the cache's rows
+"""The KV pull over a real socket (cluster/protocol.py): the sender writes each chunk from the cache's blocks
 (`send_kv_frames`); the decode side (`PullReader`) reads a KvData frame's head first and its chunk's data straight to
-where the receiver wants it (the rows of the reserved blocks, or staging), where it is checked; the bytes that land
-are the bytes sent, however the stream is cut into reads; a corrupted chunk is refused; a stream that ends
+where the receiver wants it (the reserved blocks, or staging), where it is checked; the bytes that land are the bytes
+sent, however the stream is cut into reads; a corrupted chunk is refused; a stream that ends
 mid-frame fails with a clear error, and a decode engine's pull that fails so gives its reservation back."""
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from engine.kv_transfer import ChunkLanding, Handoff, KvChunk, KvLayout, KvRecei
 from scheduler.slo import SLO
 
 BLOCK_SIZE = 4
-CACHE = torch.randn(2, 2, 24, BLOCK_SIZE, 2, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-BLOCKS = [5, 0, 19, 3, 11, 7, 22, 14, 1, 9]  # 2 KiB blocks, scattered
+CACHE = torch.randn(24, 2, 2, BLOCK_SIZE, 2, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+BLOCKS = [5, 0, 19, 20, 3, 11, 12, 13, 1, 9]  # 2 KiB blocks, scattered, some in runs of consecutive ids
 WAIT_S = 30.0
 
 
@@ -122,7 +122,7 @@ def test_each_chunk_is_read_into_its_place_in_staging(chunk_bytes, pieces_seed):
 @pytest.mark.parametrize("chunk_bytes", [100, 1000, 4096])
 def test_each_chunk_read_for_a_cpu_cache_lands_in_its_blocks_and_no_other(chunk_bytes):
     """Into a CPU cache every chunk is read into the receiver's memory, checked there and written into its blocks
-    (scattered, the chunks cut across rows and blocks): the blocks hold what was sent, the others are untouched."""
+    (scattered, the chunks cut across blocks): the blocks hold what was sent, the others are untouched."""
     cache = empty_cache()
     receiver = Spy("r", cache)
     data, starts, _ = wire("r", chunk_bytes)
@@ -130,22 +130,22 @@ def test_each_chunk_read_for_a_cpu_cache_lands_in_its_blocks_and_no_other(chunk_
     assert receiver.in_place and receiver.payload is None
     assert receiver.complete and len(receiver.landed) == len(starts) > 3 and all(receiver.landed)
     receiver.apply()
-    assert torch.equal(cache[:, :, BLOCKS], CACHE[:, :, BLOCKS])
-    assert not cache[:, :, [b for b in range(cache.shape[2]) if b not in BLOCKS]].view(torch.uint8).any()
+    assert torch.equal(cache[BLOCKS], CACHE[BLOCKS])
+    assert not cache[[b for b in range(cache.shape[0]) if b not in BLOCKS]].view(torch.uint8).any()
 
 
 def test_a_landing_filled_in_budgeted_reads_gets_every_byte_in_order_and_each_read_only_the_buffers_it_reaches():
     """A transport reads what its socket holds (`max_bytes`), at most so many buffers at a time (`max_buffers`),
-    into rows of a cache (`chunk_memory`): each read is given the buffers from the first unfilled byte on, the
-    first cut where the last read ended, up to the one that the budget's last byte falls in, and the rows end up
+    into blocks of a cache (`chunk_memory`): each read is given the buffers from the first unfilled byte on, the
+    first cut where the last read ended, up to the one that the budget's last byte falls in, and the blocks end up
     holding the chunk's bytes in order."""
     cache = empty_cache()
     receiver = Spy("r", cache)
-    data, starts, ends = wire("r", 4096)
+    data, starts, ends = wire("r", 8192)
     receiver.receive(decode_frame(p.decode_payload(data[p.HEADER.size:ends[0]]).frame))
     chunk = decode_frame(p.decode_payload(data[ends[0] + p.HEADER.size:ends[1]]).frame)
     landing = receiver.chunk_memory(len(chunk.data))
-    assert len(landing.buffers) == 8  # rows of 512 bytes, scattered
+    assert [b.nbytes for b in landing.buffers] == [2048, 2048, 4096]  # blocks 5, 0, then the run 19, 20
     sent, rng = bytes(chunk.data), random.Random(3)
     while landing.filled < landing.nbytes:
         max_bytes, max_buffers = rng.choice((1, 7, 100, 600, 5000)), rng.choice((1, 2, 1024))
@@ -187,8 +187,9 @@ def test_a_corrupted_chunk_read_into_staging_is_refused():
 
 
 def test_a_corrupted_chunk_for_a_cpu_cache_is_refused_and_nothing_after_it_is_written():
-    """Chunks of one 512-byte row: the chunks before it are in their blocks, and it in its row, where its check
-    fails; the transfer never completes, so nothing marks those blocks computed; no byte after it is written."""
+    """Chunks of 1000 bytes, parts of 2 KiB blocks: the chunks before it are in their block, and it (the block's
+    last 48 bytes) too, where its check fails; the transfer never completes, so nothing marks those blocks
+    computed; no byte after it is written."""
     cache = empty_cache()
     receiver = Spy("r", cache)
     data, _, _ = wire("r", 1000, flip_chunk=2)
@@ -198,8 +199,8 @@ def test_a_corrupted_chunk_for_a_cpu_cache_is_refused_and_nothing_after_it_is_wr
     with pytest.raises(KvTransferError, match="not complete"):
         receiver.apply()
     landed, sent = read_blocks(cache, BLOCKS), read_blocks(CACHE, BLOCKS)
-    assert landed[:1024].tobytes() == sent[:1024].tobytes()
-    assert landed[1024:1536].tobytes() != sent[1024:1536].tobytes() and not landed[1536:].any()
+    assert landed[:2000].tobytes() == sent[:2000].tobytes()
+    assert landed[2000:2048].tobytes() != sent[2000:2048].tobytes() and not landed[2048:].any()
 
 
 @pytest.mark.parametrize("cut, error, message", [
@@ -270,10 +271,10 @@ def test_a_pull_cut_mid_chunk_gives_the_reservation_back(llama_tiny):
     asyncio.run(scenario())
     assert "cut" not in decode.requests and len(reserved) == 1
     blocks = reserved[0].block_ids
-    others = [b for b in range(cache.shape[2]) if b not in blocks]
-    assert torch.equal(decode.executor.kv_cache[:, :, others].view(torch.uint8), cache[:, :, others].view(torch.uint8))
-    assert not torch.equal(decode.executor.kv_cache[:, :, blocks].view(torch.uint8),
-                           cache[:, :, blocks].view(torch.uint8))  # half a chunk reached them
+    others = [b for b in range(cache.shape[0]) if b not in blocks]
+    assert torch.equal(decode.executor.kv_cache[others].view(torch.uint8), cache[others].view(torch.uint8))
+    assert not torch.equal(decode.executor.kv_cache[blocks].view(torch.uint8),
+                           cache[blocks].view(torch.uint8))  # half a chunk reached them
     prefill.release_handoff("cut")
     decode.add_request("again", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4))
     while decode.has_unfinished():
@@ -313,28 +314,28 @@ def test_a_kv_data_chunk_head_is_found_only_when_it_adds_up_to_the_frame():
     size = p.HEADER.unpack_from(chunk_frame, 0)[0]
     payload = chunk_frame[p.HEADER.size:p.HEADER.size + size]
     chunk, start = p.decode_kv_chunk_head(payload[:200], size)
-    assert (chunk.request_id, chunk.index, size - start) == ("r", 0, 512)  # one row: two do not fit
+    assert (chunk.request_id, chunk.index, size - start) == ("r", 0, 1000)  # a part of a block: one does not fit
     assert bytes(decode_frame(p.decode_payload(payload).frame).data) == payload[start:]
     assert p.decode_kv_chunk_head(payload[:200], size + 1) is None
     assert p.decode_kv_chunk_head(p.encode_frame(p.KvDone("r"))[p.HEADER.size:], 10) is None
 
 
 @pytest.mark.parametrize("chunk_bytes", [1000, 1 << 20])
-def test_a_pull_sent_from_the_caches_rows_lands_in_the_reserved_rows(chunk_bytes):
-    """The worker's path end to end: the sender writes each chunk from the cache's rows (`send_kv_frames`, from an
-    asyncio connection's socket, on a thread), the reader reads it straight into the rows of the reserved blocks,
-    scattered and other than the sender's, from a resumed first block. The pulled blocks hold what was sent; the
+def test_a_pull_sent_from_the_caches_blocks_lands_in_the_reserved_blocks(chunk_bytes):
+    """The worker's path end to end: the sender writes each chunk from the cache's blocks (`send_kv_frames`, from an
+    asyncio connection's socket, on a thread), the reader reads it straight into the reserved blocks, scattered (in
+    runs here and there) and other than the sender's, from a resumed first block. The pulled blocks hold what was sent; the
     leading (prefix-cached) blocks and every other block are untouched."""
     cache, first_block = empty_cache(), 3
-    receiver_blocks = [20, 2, 17, 6, 13, 4, 23, 8, 10, 15]
+    receiver_blocks = [21, 2, 17, 5, 6, 7, 23, 8, 9, 15]
     layout = KvLayout.of_cache(CACHE, BLOCK_SIZE)
-    handoff = Handoff("rows", [0] * (len(BLOCKS) * BLOCK_SIZE), 0, SamplingParams(), SLO(1.0, 0.1), "t", 0.0, 0.0,
+    handoff = Handoff("blocks", [0] * (len(BLOCKS) * BLOCK_SIZE), 0, SamplingParams(), SLO(1.0, 0.1), "t", 0.0, 0.0,
                       None, 0, 0, layout, len(BLOCKS))
     receiver = KvReceiver(handoff, 0, receiver_blocks, first_block, cache)
 
     async def scenario() -> None:
         async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            pieces = stream_blocks("rows", CACHE, layout, BLOCKS, first_block, chunk_bytes).pieces()
+            pieces = stream_blocks("blocks", CACHE, layout, BLOCKS, first_block, chunk_bytes).pieces()
             await asyncio.to_thread(p.send_kv_frames, writer.get_extra_info("socket"), pieces, WAIT_S,
                                     threading.Event())
             writer.close()
@@ -352,15 +353,15 @@ def test_a_pull_sent_from_the_caches_rows_lands_in_the_reserved_rows(chunk_bytes
     asyncio.run(scenario())
     receiver.apply()
     pulled = receiver_blocks[first_block:]
-    assert torch.equal(cache[:, :, pulled], CACHE[:, :, BLOCKS[first_block:]])
-    assert not cache[:, :, [b for b in range(cache.shape[2]) if b not in pulled]].view(torch.uint8).any()
+    assert torch.equal(cache[pulled], CACHE[BLOCKS[first_block:]])
+    assert not cache[[b for b in range(cache.shape[0]) if b not in pulled]].view(torch.uint8).any()
 
 
 def test_a_sender_whose_peer_reads_nothing_times_out_and_one_told_to_stop_stops():
     """`send_kv_frames` to a peer that takes nothing: TimeoutError after the timeout; ConnectionError once its stop
     flag is set; the peer's end: ConnectionError."""
     layout = KvLayout.of_cache(CACHE, BLOCK_SIZE)
-    big = torch.zeros(2, 2, 600, BLOCK_SIZE, 2, 32, dtype=torch.bfloat16)  # 1.2 MiB: more than the socket holds
+    big = torch.zeros(600, 2, 2, BLOCK_SIZE, 2, 32, dtype=torch.bfloat16)  # 1.2 MiB: more than the socket holds
     for outcome in ("timeout", "stop", "closed"):
         left, right = socket.socketpair()
         left.setblocking(False)

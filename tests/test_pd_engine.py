@@ -174,7 +174,7 @@ def test_the_chunk_checksum_sees_every_flipped_byte_and_a_changed_length(fold):
 
 
 def test_the_checksum_over_rows_where_they_lie_is_that_of_their_bytes_joined():
-    """`rows_checksum` of equally spaced rows (views of a cache's planes), whole folds or not, and of a part of a
+    """`rows_checksum` of equally spaced rows (views of a cache's blocks), whole folds or not, and of a part of a
     row: `chunk_checksum` of the same bytes one after another."""
     planes = np.random.default_rng(2).integers(0, 256, (6, 5, 384), dtype=np.uint8)  # rows of 384 bytes
     for fold in (128, 4096):  # whole folds per row, or not
@@ -182,9 +182,10 @@ def test_the_checksum_over_rows_where_they_lie_is_that_of_their_bytes_joined():
                       [planes[5, 0][None]]):
             joined = np.concatenate([part.reshape(-1) for part in parts])
             assert rows_checksum(parts, fold) == chunk_checksum(joined, fold), (fold, [p.shape for p in parts])
-    layout = KvLayout(2, 3, 64, 16, "bfloat16")  # smollm2's rows: 6 KiB, folded by 2 KiB
-    assert (layout.row_bytes, layout.fold_bytes) == (6144, 2048)
-    assert KvLayout(2, 1, 3, 1, "bfloat16").fold_bytes == 4096  # a row that is no whole number of words
+    layout = KvLayout(30, 3, 64, 16, "bfloat16")  # smollm2's blocks: 360 KiB, folded by 4 KiB
+    assert (layout.block_bytes, layout.fold_bytes) == (368640, 4096)
+    assert KvLayout(1, 1, 8, 4, "float32").fold_bytes == 256  # a block of 256 bytes
+    assert KvLayout(1, 1, 3, 1, "bfloat16").fold_bytes == 4096  # a block that is no whole number of words
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -218,20 +219,23 @@ def test_a_chunk_is_encoded_without_its_data_copied_into_the_same_bytes():
 
 
 @pytest.mark.parametrize("max_chunk_bytes", [1024, 300, 100])
-def test_a_senders_pieces_are_the_caches_rows_themselves(max_chunk_bytes):
+def test_a_senders_pieces_are_the_caches_blocks_themselves(max_chunk_bytes):
     """`KvExport.pieces` of scattered blocks from a resumed first block: each chunk's data is views of the cache's
-    rows (no copy), whole rows where a row fits in a chunk, else parts of one; joined they are `read_blocks`' bytes,
-    each chunk's checksum is that of its bytes, and the iterated frames carry the same bytes and checksums."""
-    cache = torch.randn(2, 2, 12, 4, 2, 8).to(torch.bfloat16)  # rows of 128 bytes, 512-byte blocks
-    layout, blocks = KvLayout.of_cache(cache, 4), [5, 0, 9, 3, 11, 7]
+    blocks (no copy), whole blocks where a block fits in a chunk (a run of consecutive ids one view), else parts of
+    one; joined they are `read_blocks`' bytes, each chunk's checksum is that of its bytes, and the iterated frames
+    carry the same bytes and checksums."""
+    cache = torch.randn(12, 2, 2, 4, 2, 8).to(torch.bfloat16)  # 512-byte blocks
+    layout, blocks = KvLayout.of_cache(cache, 4), [5, 0, 9, 10, 3, 11, 7]
     pieces = list(stream_blocks("p", cache, layout, blocks, 2, max_chunk_bytes).pieces())
     frames = list(stream_blocks("p", cache, layout, blocks, 2, max_chunk_bytes))
     chunks = [(frame, data) for frame, data in pieces if isinstance(frame, KvChunk)]
     raw = cache.view(torch.uint8).numpy()
     sizes = [sum(d.nbytes for d in data) for _, data in chunks]
-    assert pieces[0][0].num_chunks == len(chunks) and pieces[0][0].total_bytes == sum(sizes) == 4 * 512
-    assert all(size == min(max_chunk_bytes // 128 * 128, 2048) for size in sizes[:-1]) if max_chunk_bytes > 128 \
-        else all(size in (100, 28) for size in sizes)
+    assert pieces[0][0].num_chunks == len(chunks) and pieces[0][0].total_bytes == sum(sizes) == 5 * 512
+    if max_chunk_bytes >= 512:
+        assert [[d.nbytes for d in data] for _, data in chunks] == [[1024], [512, 512], [512]]  # 9-10, 3-11, 7
+    else:
+        assert sizes == ([max_chunk_bytes] * (512 // max_chunk_bytes) + [512 % max_chunk_bytes]) * 5
     for frame, data in chunks:
         assert all(np.shares_memory(np.frombuffer(d, dtype=np.uint8), raw) for d in data)
         assert frame.checksum == chunk_checksum(b"".join(data), layout.fold_bytes)
@@ -425,9 +429,8 @@ def test_chunks_read_into_chunk_memory_land_in_their_blocks_as_they_come(llama_t
             end = sum(len(f.data) for f in frames[1:frame.index + 2])
             assert landed[:end].tobytes() == sent[:end]
             assert landed[end:].tobytes() == read_blocks(before, pulled)[end:].tobytes()
-    others = [b for b in range(before.shape[2]) if b not in pulled]
-    assert torch.equal(pair.decode.executor.kv_cache[:, :, others].view(torch.uint8),
-                       before[:, :, others].view(torch.uint8))
+    others = [b for b in range(before.shape[0]) if b not in pulled]
+    assert torch.equal(pair.decode.executor.kv_cache[others].view(torch.uint8), before[others].view(torch.uint8))
     pair.decode.finish_import(receiver)
     assert read_blocks(pair.decode.executor.kv_cache, pulled).tobytes() == sent
     pair.prefill.release_handoff("staged")
@@ -435,7 +438,7 @@ def test_chunks_read_into_chunk_memory_land_in_their_blocks_as_they_come(llama_t
 
 
 def test_a_corrupted_chunk_is_refused_and_what_came_before_it_never_decodes(llama_tiny, pair):
-    """The chunk before it is in the reserved blocks (a CPU cache), and it lands in its rows, where its check fails;
+    """The chunk before it is in the reserved blocks (a CPU cache), and it lands in its blocks, where its check fails;
     the import fails, the blocks go back with no prefix-cache entry naming them, and the same prompt later is
     computed afresh, as a co-located engine computes it. Nothing after it, nor outside the reserved blocks,
     changed."""
@@ -463,9 +466,9 @@ def test_a_corrupted_chunk_is_refused_and_what_came_before_it_never_decodes(llam
     with pytest.raises(KvTransferError, match="not complete"):
         pair.decode.finish_import(receiver)
     pair.decode.cancel_import(receiver)
-    others = [b for b in range(cache.shape[2]) if b not in reserved]
-    assert torch.equal(pair.decode.executor.kv_cache[:, :, others].view(torch.uint8),
-                       cache[:, :, others].view(torch.uint8))  # NaNs too
+    others = [b for b in range(cache.shape[0]) if b not in reserved]
+    assert torch.equal(pair.decode.executor.kv_cache[others].view(torch.uint8),
+                       cache[others].view(torch.uint8))  # NaNs too
     assert pair.decode.blocks.num_free_blocks() == decode_free and not pair.decode.imports
     pair.prefill.release_handoff("flipped")
     pair.decode.add_request("again", prompt, GREEDY)  # a decode engine prefills what it is given as a new request
@@ -478,8 +481,8 @@ def test_a_cancelled_receiver_writes_nothing_more_and_refuses_what_comes():
     """`cancel` (the engine giving the blocks back, from its thread) ends the writes into the cache: a chunk after
     it is refused and its bytes go nowhere. In place too with a resumed first block and scattered block ids: the
     chunks land in the blocks from the first pulled one, the leading one untouched."""
-    layout = KvLayout(2, 1, 8, 4, "float32")  # 512-byte blocks: rows of 128 bytes
-    cache = torch.zeros(2, 2, 8, 4, 1, 8)
+    layout = KvLayout(2, 1, 8, 4, "float32")  # 512-byte blocks
+    cache = torch.zeros(8, 2, 2, 4, 1, 8)
     handoff = Handoff("c", [0] * 12, 0, SamplingParams(), SLO(1.0, 0.1), "t", 0.0, 0.0, None, 0, 0, layout, 3)
     receiver = KvReceiver(handoff, 0, [4, 6, 1, 7], 1, cache)
     assert receiver.in_place and receiver.total_bytes == 1024
@@ -489,7 +492,7 @@ def test_a_cancelled_receiver_writes_nothing_more_and_refuses_what_comes():
     staged(receiver, [KvChunk("c", 0, chunk_checksum(data[:700], fold), memoryview(data[:700]))])
     landed = read_blocks(cache, [6, 1])
     assert landed[:700].tobytes() == data[:700].tobytes() and not landed[700:].any()
-    assert not cache[:, :, [0, 2, 3, 4, 5, 7]].any()
+    assert not cache[[0, 2, 3, 4, 5, 7]].any()
     landing = receiver.chunk_memory(324)  # taken before the cancel: filled after it, it writes nothing
     receiver.cancel()
     with pytest.raises(KvTransferError, match="the import was cancelled"):
@@ -521,12 +524,12 @@ def test_a_devices_import_is_checked_on_the_device_before_any_block_is_written(d
     """Into a device's cache the chunks are staged unchecked and checked on the device as `apply` puts them in: a
     corrupt one raises there, nothing written; an honest transfer lands whole. On the CPU each chunk is checked as
     it comes."""
-    layout = KvLayout(2, 1, 8, 4, "float32")  # 512-byte blocks: rows of 128 bytes
-    source = torch.randn(2, 2, 8, 4, 1, 8, generator=torch.Generator().manual_seed(4))
+    layout = KvLayout(2, 1, 8, 4, "float32")  # 512-byte blocks
+    source = torch.randn(8, 2, 2, 4, 1, 8, generator=torch.Generator().manual_seed(4))
     frames = list(stream_blocks("d", source, layout, [3, 5, 0], 1, max_chunk_bytes=384))
     handoff = Handoff("d", [0] * 12, 0, SamplingParams(), SLO(1.0, 0.1), "t", 0.0, 0.0, None, 0, 0, layout, 3)
     for corrupt in (True, False):
-        cache = torch.zeros(2, 2, 8, 4, 1, 8).to(device)
+        cache = torch.zeros(8, 2, 2, 4, 1, 8).to(device)
         receiver = KvReceiver(handoff, 0, [6, 1, 7], 1, cache if device == "cuda" else None)
         assert receiver.checked_on_device == (device == "cuda") and not receiver.in_place
         for frame in frames:
@@ -546,8 +549,8 @@ def test_a_devices_import_is_checked_on_the_device_before_any_block_is_written(d
                 assert not cache.any()
             elif device == "cuda":
                 receiver.apply()
-                assert torch.equal(cache[:, :, [1, 7]], source[:, :, [5, 0]].to(device))
-                assert not cache[:, :, [0, 2, 3, 4, 5, 6]].any()
+                assert torch.equal(cache[[1, 7]], source[[5, 0]].to(device))
+                assert not cache[[0, 2, 3, 4, 5, 6]].any()
             else:
                 assert receiver.complete
 
@@ -612,7 +615,7 @@ def test_a_chunk_head_decodes_from_the_leading_bytes_alone():
 def test_write_blocks_puts_each_block_in_its_place_and_no_other(device):
     """One indexed copy of host bytes into scattered blocks (pinned host bytes, on CUDA), the inverse of
     `read_blocks`; the blocks not named keep their bytes."""
-    cache = torch.randn(3, 2, 10, 4, 2, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    cache = torch.randn(10, 3, 2, 4, 2, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     cache = cache.to(device)
     before, ids = cache.clone(), [7, 2, 9, 0]
     block_bytes = KvLayout.of_cache(cache, 4).block_bytes
@@ -623,4 +626,4 @@ def test_write_blocks_puts_each_block_in_its_place_and_no_other(device):
     write_blocks(cache, ids, payload)
     assert np.array_equal(read_blocks(cache, ids), payload.numpy())
     others = [b for b in range(10) if b not in ids]
-    assert torch.equal(cache[:, :, others], before[:, :, others])
+    assert torch.equal(cache[others], before[others])
