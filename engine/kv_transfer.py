@@ -648,6 +648,7 @@ class KvReceiver:
         self.handoff, self.seq_id = handoff, seq_id
         self.block_ids = block_ids  # the reserved blocks of the prompt, the cached leading ones included
         self.first_block = first_block  # the first block to pull: those before it are prefix-cache hits here
+        self._pulled = block_ids[first_block:handoff.num_blocks]  # the blocks the payload goes to, in its order
         self.kv_cache = kv_cache
         layout = handoff.layout
         self.total_bytes = (handoff.num_blocks - first_block) * layout.block_bytes
@@ -709,8 +710,7 @@ class KvReceiver:
             raise KvTransferError(f"request {self.request_id!r}: a chunk of {nbytes} bytes runs past the announced "
                                   f"{self.total_bytes} bytes ({self._received} received)")
         if self.in_place:
-            self._landing_blocks = _blocks_of(self._blocks, self.block_ids[self.first_block:self.handoff.num_blocks],
-                                              self._received, end)
+            self._landing_blocks = _blocks_of(self._blocks, self._pulled, self._received, end)
             buffers = _buffer_views(self._blocks, self._landing_blocks)
         else:
             buffers = [memoryview(self.payload.numpy()[self._received:end])]
@@ -752,8 +752,7 @@ class KvReceiver:
             with self._writing:
                 if self._cancelled:
                     raise KvTransferError(f"request {self.request_id!r}: the import was cancelled")
-                write_payload_part(self.kv_cache, self.block_ids[self.first_block:self.handoff.num_blocks],
-                                   self._received, received)
+                write_payload_part(self.kv_cache, self._pulled, self._received, received)
         else:  # copied into staging and checked there (a device's: at `apply`), counting only once it holds
             staged = self.payload.numpy()[self._received:end]
             staged[:] = np.frombuffer(data, dtype=np.uint8)
@@ -799,7 +798,7 @@ class KvReceiver:
                 sums = payload_checksums(payload, spans, self.handoff.layout.fold_bytes)
                 for index, (got, (_, _, checksum)) in enumerate(zip(sums, self._unchecked)):
                     self._check(index, got, checksum)
-            write_blocks(self.kv_cache, self.block_ids[self.first_block:self.handoff.num_blocks], payload)
+            write_blocks(self.kv_cache, self._pulled, payload)
 
     def cancel(self) -> None:
         """Ends the transfer here, from any thread: once this returns no chunk is written into the cache any more,
