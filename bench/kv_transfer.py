@@ -6,18 +6,18 @@
 
 One request's prompt KV, in a cache of the model's shape whose blocks lie scattered (a shuffled block table), goes
 from a sender process to this one over 127.0.0.1. The KV path is the cluster's pull (cluster/worker.py): the sender
-frames the blocks (`stream_blocks(...).pieces()`: each chunk the cache's blocks, checksummed where they lie) and
-writes them as cluster protocol `KvData` frames from its asyncio connection's socket on a thread
-(`protocol.send_kv_frames`: `sendmsg` of each head and its blocks); this side reads them as the decode worker does
-(`protocol.PullReader.read_message`: a chunk's head, then its data straight into the `KvReceiver`'s
-blocks, checked there) into a receiver on a cache tensor of its own, as a decode engine's, and applies the complete
-transfer (`KvReceiver.apply`, as `Engine.finish_import` does). The plain copy sends the same bytes from one
-contiguous buffer in chunks of the same size, unframed and unchecked, into one preallocated buffer here: what the
-socket and the event loop allow these two processes (the KV frames come over a connection of their own). Each repeat
-runs the plain copy and then the KV transfer; both are timed on this side, from the request to the sender until the
-last byte is in place; the median of the repeats is reported, with the CPU time each process took for the transfer
-(all its threads, user and system: on loopback the kernel's copies are most of it), and as "of plain" the median of
-the repeats' own ratios (each repeat's two transfers run back to back).
+frames the blocks (`stream_blocks(...).pieces()`: each chunk the cache's blocks, summed as they are sent) and writes
+them as cluster protocol `KvData` frames from its asyncio connection's socket on a thread
+(`protocol.send_kv_frames`: `sendmsg` of each head, its blocks and its checksum); this side reads them as the decode
+worker does (`protocol.PullReader.read_message`: a chunk's head, then its data straight into the `KvReceiver`'s
+blocks, summed as they land, then its checksum) into a receiver on a cache tensor of its own, as a decode engine's,
+and applies the complete transfer (`KvReceiver.apply`, as `Engine.finish_import` does). The plain copy sends the
+same bytes from one contiguous buffer in chunks of the same size, unframed and unchecked, into one preallocated
+buffer here: what the socket and the event loop allow these two processes (the KV frames come over a connection of
+their own). Each repeat runs the plain copy and then the KV transfer; both are timed on this side, from the request
+to the sender until the last byte is in place; the median of the repeats is reported, with the CPU time each process
+took for the transfer (all its threads, user and system: on loopback the kernel's copies are most of it), and as "of
+plain" the median of the repeats' own ratios (each repeat's two transfers run back to back).
 
 --receiver picks how this side reads the plain copy: `buffered` (an `asyncio.BufferedProtocol`: it lands straight in
 its destination, the most a reader of this event loop gets) or `streams` (`StreamReader.readexactly`, each piece

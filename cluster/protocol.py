@@ -237,7 +237,7 @@ class KvPull(_Message, tag=_tag("kv_pull")):
 
 class KvData(_Message, tag=_tag("kv_data")):
     # one engine.kv_transfer frame, encoded by that module (KvBegin, KvChunk or KvEnd); decoded, a view of the payload
-    # it came in, not a copy (`encode_kv_data` writes it without one either)
+    # it came in, not a copy (`encode_kv_head` lets a sender write it without one either)
     frame: memoryview
 
 
@@ -294,24 +294,19 @@ def encode_frame(msg: _Message, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
 _KV_DATA_HEAD = _encoder.encode(KvData(memoryview(b"")))[:-len(kv_transfer.bin_header(0))]
 
 
-def encode_kv_data(frame: kv_transfer.KvFrame, max_bytes: int = MAX_FRAME_BYTES) -> tuple[bytes, memoryview]:
-    """`encode_frame(KvData(kv_transfer.encode_frame(frame)))` as (head, data), the same bytes once joined: a
-    chunk's data is not copied into the frame but written after the head from where it lies (`writer.write` each in
-    turn; `writelines` would join them, a copy). ValueError if the message exceeds the frame bound."""
-    head, data = kv_transfer.encode_frame_parts(frame)
-    return _kv_data_head(head, data.nbytes, max_bytes), data
-
-
 def encode_kv_head(frame: kv_transfer.KvFrame, data_bytes: int, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
-    """`encode_kv_data(frame)`'s head, for a chunk whose data, `data_bytes` of it, lies elsewhere (the chunk's own
-    data is not looked at); another frame whole. ValueError if the message exceeds the frame bound."""
+    """`encode_frame(KvData(kv_transfer.encode_frame(frame)))` up to a chunk's data, for a chunk whose data,
+    `data_bytes` of it, follows from where it lies, and then its `kv_transfer.chunk_trailer` (the chunk's own data
+    and checksum are not looked at): no copy of the data into the frame. Another frame whole. ValueError if the
+    message exceeds the frame bound."""
     if isinstance(frame, kv_transfer.KvChunk):
-        return _kv_data_head(kv_transfer.encode_chunk_head(frame, data_bytes), data_bytes, max_bytes)
+        return _kv_data_head(kv_transfer.encode_chunk_head(frame, data_bytes),
+                             data_bytes + kv_transfer.CHUNK_TRAILER_BYTES, max_bytes)
     return _kv_data_head(kv_transfer.encode_frame(frame), 0, max_bytes)
 
 
-def _kv_data_head(inner_head: bytes, data_bytes: int, max_bytes: int) -> bytes:
-    inner = len(inner_head) + data_bytes
+def _kv_data_head(inner_head: bytes, after_bytes: int, max_bytes: int) -> bytes:
+    inner = len(inner_head) + after_bytes
     size = len(_KV_DATA_HEAD) + len(kv_transfer.bin_header(inner)) + inner
     if size > max_bytes:
         raise ValueError(f"KvData frame of {size} bytes exceeds the bound of {max_bytes} bytes")
@@ -325,20 +320,28 @@ _SEND_WAIT_S = 0.25  # a sender waiting for room in the socket looks at its stop
 def send_kv_frames(sock: socket.socket, pieces, timeout: float, stop: threading.Event,
                    max_bytes: int = MAX_FRAME_BYTES) -> None:
     """Writes the hand-off frames of `pieces` (`kv_transfer.KvExport.pieces`) to the connected stream socket `sock`
-    as KvData frames, each chunk's data from the buffers it lies in with no copy but the kernel's (`sendmsg` of its
-    head and its buffers); blocking, for a thread of its own, through a duplicate of the socket's descriptor, which
-    may be non-blocking (an asyncio transport's, whose own writes must have been flushed and wait meanwhile). It
-    asks for the next piece once the socket took the last one. TimeoutError when the peer takes nothing for
-    `timeout` s, ConnectionError when the connection is lost or `stop` is set (looked at between pieces and while
-    waiting), ValueError for a frame over `max_bytes`."""
+    as KvData frames, each chunk's data from where it lies with no copy but the kernel's (`sendmsg` of its head and
+    first part, of each part as the chunk gives it, then of its checksum); blocking, for a thread of its own,
+    through a duplicate of the socket's descriptor, which may be non-blocking (an asyncio transport's, whose own
+    writes must have been flushed and wait meanwhile). It asks for the next part once the socket took the last one.
+    TimeoutError when the peer takes nothing for `timeout` s, ConnectionError when the connection is lost or `stop`
+    is set (looked at between parts and while waiting), ValueError for a frame over `max_bytes`."""
     with socket.socket(fileno=os.dup(sock.fileno())) as own:
         room = select.poll()
         room.register(own.fileno(), select.POLLOUT)
         for frame, data in pieces:
             if stop.is_set():
                 raise ConnectionError("the KV pull was given up")
-            _send_all(own, [encode_kv_head(frame, sum(d.nbytes for d in data), max_bytes), *data], room, timeout,
-                      stop)
+            if data is None:
+                _send_all(own, [encode_kv_head(frame, 0, max_bytes)], room, timeout, stop)
+                continue
+            head = [encode_kv_head(frame, data.nbytes, max_bytes)]
+            for part in data.parts():
+                _send_all(own, [*head, *part], room, timeout, stop)
+                head = []
+                if stop.is_set():
+                    raise ConnectionError("the KV pull was given up")
+            _send_all(own, [*head, kv_transfer.chunk_trailer(data.checksum)], room, timeout, stop)
 
 
 def _send_all(sock: socket.socket, buffers: list, room: select.poll, timeout: float, stop: threading.Event) -> None:
@@ -407,10 +410,11 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_
 _KV_HEAD_READ_BYTES = 512
 
 
-def decode_kv_chunk_head(head: bytes | memoryview, size: int) -> tuple[kv_transfer.KvChunk, int] | None:
+def decode_kv_chunk_head(head: bytes | memoryview, size: int) -> tuple[kv_transfer.KvChunk, int, int] | None:
     """When `head`, the leading bytes of a frame of `size` payload bytes, shows a KvData frame that carries a chunk
-    (`encode_kv_data`'s head): the chunk with its data empty, and where in the payload its data starts. None for any
-    other frame, and for one whose head does not add up to `size` (the whole frame's decoding says what is wrong)."""
+    (`encode_kv_head`'s): the chunk with its data empty and its checksum 0, where in the payload its data starts,
+    and the data's size (the checksum follows it to the frame's end). None for any other frame, and for one whose
+    head does not add up to `size` (the whole frame's decoding says what is wrong)."""
     view = memoryview(head).cast("B")
     if view[:len(_KV_DATA_HEAD)] != _KV_DATA_HEAD:
         return None
@@ -419,9 +423,10 @@ def decode_kv_chunk_head(head: bytes | memoryview, size: int) -> tuple[kv_transf
         return None
     start = len(_KV_DATA_HEAD) + inner[1]
     chunk = kv_transfer.decode_chunk_head(view[start:])
-    if chunk is None or start + inner[0] != size or start + chunk[1] + chunk[2] != size:
+    if chunk is None or start + inner[0] != size \
+            or not 1 <= size - (start + chunk[1] + chunk[2]) <= kv_transfer.CHUNK_TRAILER_BYTES:
         return None
-    return chunk[0], start + chunk[1]
+    return chunk[0], start + chunk[1], chunk[2]
 
 
 class PullReader:
@@ -541,11 +546,18 @@ class PullReader:
             await self._read_into(memoryview(payload), timeout)
             chunk = None if chunk_memory is None else decode_kv_chunk_head(payload, size)
             if chunk is not None:
-                head, start = chunk
-                landing = chunk_memory(size - start)
-                landing.write(memoryview(payload)[start:])  # the data's first bytes, read with the head
+                head, start, nbytes = chunk
+                landing = chunk_memory(nbytes)
+                landing.write(memoryview(payload)[start:start + nbytes])  # the data's first bytes, read with the head
+                trailer = bytearray(size - start - nbytes)
+                read = max(len(payload) - start - nbytes, 0)  # the checksum's bytes read with the head, if any
+                trailer[:read] = memoryview(payload)[start + nbytes:]
                 await self._read_landing(landing, timeout)
-                return msgspec.structs.replace(head, data=landing)
+                await self._read_into(memoryview(trailer)[read:], timeout)
+                checksum = kv_transfer.decode_chunk_trailer(trailer)
+                if checksum is None:
+                    raise ProtocolError(f"a KV chunk of {nbytes} bytes ends in {bytes(trailer)!r}, not its checksum")
+                return msgspec.structs.replace(head, data=landing, checksum=checksum)
             if size > len(payload):  # not a chunk: the rest of the frame after the bytes read
                 read, payload = payload, bytearray(size)
                 payload[:len(read)] = read

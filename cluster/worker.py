@@ -449,13 +449,18 @@ class Worker:
 
     @staticmethod
     async def _write_kv(writer, pieces) -> None:
-        """The frames through a writer that owns no plain socket: each chunk read on a thread (it reads the
-        cache), then written piece by piece (the writer copies what the socket does not take at once)."""
+        """The frames through a writer that owns no plain socket: each chunk read and summed on a thread (it reads
+        the cache), then written part by part (the writer copies what the socket does not take at once)."""
         while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
             frame, data = piece
-            writer.write(p.encode_kv_head(frame, sum(d.nbytes for d in data)))
-            for buffer in data:
+            if data is None:
+                writer.write(p.encode_kv_head(frame, 0))
+                continue
+            parts = await asyncio.to_thread(list, data.parts())
+            writer.write(p.encode_kv_head(frame, data.nbytes))
+            for buffer in (buffer for part in parts for buffer in part):
                 writer.write(buffer)
+            writer.write(kv_transfer.chunk_trailer(data.checksum))
             await writer.drain()  # the next chunk is read once the socket took this one
 
     def _end_pull(self, rid: str) -> None:

@@ -16,24 +16,26 @@ The payload is the blocks one after another, each block all layers' K then V (`[
 head dim]` in the cache's dtype, `KvLayout.block_bytes`): in the engine's block-major cache (`[blocks, layers, 2,
 ...]`) each block is one run of bytes, and blocks with consecutive ids one longer run, so that a chunk is a few large
 pieces of memory however small one layer's share of a block is. A chunk is as many whole blocks as fit, or a part of
-one block where a block does not fit. Each chunk carries its checksum (`chunk_checksum`, folded so that its blocks
-start folds: `KvLayout.fold_bytes`) and the end a CRC-32 over those, in order.
+one block where a block does not fit. Each chunk carries its checksum after its data (`chunk_checksum`, folded so
+that its blocks start folds: `KvLayout.fold_bytes`, and summed piece by piece: `FoldSums`) and the end a CRC-32 over
+those, in order.
 
 The frames are msgspec structs, tagged with `KV_WIRE_VERSION` as the cluster protocol's frames are with theirs, so
 a transport can carry them as they are (`encode_frame` / `decode_frame`). They live here, below the cluster,
 because the engine produces and checks them itself: an in-process transport needs no cluster code.
 
 Between two CPU caches nothing but the kernel copies the bytes. A sender takes each chunk as the cache's blocks
-(`KvExport.pieces`: views, their checksum taken where they lie, `rows_checksum`) and a socket transport writes them
-as they are (`encode_chunk_head`, then the blocks: `sendmsg`); from a device's cache a chunk crosses into pinned host
-memory first, its checksum summed on the device before it does. On the receiving side a transport that reads a
-frame's head first (`decode_chunk_head`) reads the chunk's data straight into the memory the receiver gives for it
-(`KvReceiver.chunk_memory`, a `ChunkLanding`): into a CPU cache, the reserved blocks the bytes belong in,
-where the receiver then checks them; into a device's cache, the chunk's place in a staging payload, which crosses to
-the device in one DMA from pinned memory at the end, where every chunk is checked at once (`payload_checksums`)
-before one indexed copy puts it into the blocks (`write_blocks`): the decode side's CPU does not read the payload
-either. A chunk decoded whole (`decode_frame`, or iterated in process) is checked as it is (a device's: with the
-rest, at the end), then written into its blocks (`write_payload_part`) or its staging.
+(`KvExport.pieces`: `ChunkData`, views, each part summed just before it is sent) and a socket transport writes them
+as they are (`encode_chunk_head`, then the blocks: `sendmsg`, then `chunk_trailer`); from a device's cache a chunk
+crosses into pinned host memory first, its checksum summed on the device before it does. On the receiving side a
+transport that reads a frame's head first (`decode_chunk_head`) reads the chunk's data straight into the memory the
+receiver gives for it (`KvReceiver.chunk_memory`, a `ChunkLanding`), then its checksum (`decode_chunk_trailer`):
+into a CPU cache, the reserved blocks the bytes belong in, summed as they land; into a device's cache, the chunk's
+place in a staging payload, which crosses to the device in one DMA from pinned memory at the end, where every chunk
+is checked at once (`payload_checksums`) before one indexed copy puts it into the blocks (`write_blocks`): the
+decode side's CPU does not read the payload either. A chunk decoded whole (`decode_frame`, or iterated in process)
+is checked as it is (a device's: with the rest, at the end), then written into its blocks (`write_payload_part`) or
+its staging.
 """
 from __future__ import annotations
 
@@ -54,13 +56,16 @@ from engine.sampler import TopLogprobs
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
-KV_WIRE_VERSION = 4
+KV_WIRE_VERSION = 5
 # Each chunk costs a frame head, a checksum pass set-up (a launch and a read-back from a device) and a syscall or two
 # on either side: large chunks pay it rarely, one still crosses the wire in milliseconds, and the frame limit holds
 # twice this.
 MAX_CHUNK_BYTES = 4 << 20
 # A chunk's checksum folds its 64-bit words into columns this wide (`chunk_checksum`); little-endian on every host.
 _FOLD_BYTES = 4096
+# A sender folds a chunk's data into its checksum about this much at a time, just before the socket copies it: the
+# copy then finds it in the CPU's cache, and each part is one syscall. A multiple of every fold width.
+SEND_PART_BYTES = 1 << 20
 _WORD = np.dtype("<u8")
 _STAGING_KEPT_BYTES = 2 << 30  # staging buffers kept for later transfers, at most
 
@@ -150,8 +155,8 @@ class KvBegin(_Frame, tag=_tag("kv_begin")):
 class KvChunk(_Frame, tag=_tag("kv_chunk")):
     request_id: str
     index: int
-    checksum: int  # `chunk_checksum(data)`
     data: memoryview  # any bytes-like object when built; decoded, a view of the decoded buffer, not a copy
+    checksum: int  # `chunk_checksum(data)`: after the data, so that a sender sums each part as it sends it
 
 
 class KvEnd(_Frame, tag=_tag("kv_end")):
@@ -179,26 +184,22 @@ def bin_header(size: int) -> bytes:
 
 
 _EMPTY_BIN = bin_header(0)
-_NO_DATA = memoryview(b"")
-
-
-def encode_frame_parts(frame: KvFrame) -> tuple[bytes, memoryview]:
-    """`encode_frame(frame)` as (head, data), the same bytes once joined, without copying a chunk's data into the
-    encoding: the data is the chunk's last field, so the head ends with its bin header and the data follows as it
-    lies (empty for the other frames). A transport writes both in turn."""
-    if not isinstance(frame, KvChunk):
-        return encode_frame(frame), _NO_DATA
-    data = memoryview(frame.data).cast("B")
-    return encode_chunk_head(frame, data.nbytes), data
+CHUNK_TRAILER_BYTES = 9  # `chunk_trailer`: a msgpack uint 64
 
 
 def encode_chunk_head(chunk: KvChunk, nbytes: int) -> bytes:
-    """The encoding of `chunk` up to its data, for data of `nbytes` bytes that follow it as they lie (the chunk's
-    own data is not looked at): `encode_frame_parts`' head, for a sender whose data is several buffers
-    (`KvExport.pieces`)."""
-    if len(chunk.data):
-        chunk = KvChunk(chunk.request_id, chunk.index, chunk.checksum, b"")
-    return _encoder.encode(chunk)[:-len(_EMPTY_BIN)] + bin_header(nbytes)
+    """The encoding of `chunk` up to its data, for data of `nbytes` bytes that follow it as they lie, and then its
+    `chunk_trailer` (the chunk's own data and checksum are not looked at): for a sender that writes a chunk's data
+    from where it lies and sums it as it goes (`KvExport.pieces`). Head, data and trailer joined decode as the
+    chunk (`decode_frame`)."""
+    head = _encoder.encode(KvChunk(chunk.request_id, chunk.index, b"", 0))
+    return head[:-len(_EMPTY_BIN) - 1] + bin_header(nbytes)  # less the empty data and the checksum 0 (one byte)
+
+
+def chunk_trailer(checksum: int) -> bytes:
+    """What follows a chunk's data after `encode_chunk_head`: its checksum, as a msgpack uint 64 of fixed width,
+    so that the frame's length is known before the checksum is."""
+    return b"\xcf" + checksum.to_bytes(8, "big")
 
 
 # what msgpack puts after a str's or bin's marker byte: the length's bytes (a fixstr's length is in its marker)
@@ -218,10 +219,11 @@ def decode_bin_header(buffer: bytes | memoryview) -> tuple[int, int] | None:
 
 
 def decode_chunk_head(buffer: bytes | memoryview) -> tuple[KvChunk, int, int] | None:
-    """The inverse of `encode_frame_parts`'s head, for a transport that reads a chunk's data where it wants it:
-    when `buffer` begins with an encoded KvChunk whose head (all but the data) it holds whole, (the chunk with empty
-    data, where its data starts, the data's size); else None (another frame, a head cut short, bytes that are no
-    frame: `decode_frame` of the whole frame says which)."""
+    """The inverse of `encode_chunk_head`, for a transport that reads a chunk's data where it wants it: when
+    `buffer` begins with an encoded KvChunk whose head (up to its data) it holds whole, (the chunk with its data
+    empty and its checksum 0, where its data starts, the data's size: its checksum follows, `decode_chunk_trailer`);
+    else None (another frame, a head cut short, bytes that are no frame: `decode_frame` of the whole frame says
+    which)."""
     view = memoryview(buffer).cast("B")
     if view[:len(_CHUNK_PREFIX)] != _CHUNK_PREFIX:
         return None
@@ -233,19 +235,29 @@ def decode_chunk_head(buffer: bytes | memoryview) -> tuple[KvChunk, int, int] | 
         else:
             width = _STR_LENGTH_BYTES[marker]
             pos += 1 + width + int.from_bytes(view[pos + 1:pos + 1 + width], "big")
-        for _ in ("index", "checksum"):
-            marker = view[pos]
-            pos += 1 if marker < 0x80 else 1 + _UINT_BYTES[marker]
+        marker = view[pos]  # the index
+        pos += 1 if marker < 0x80 else 1 + _UINT_BYTES[marker]
     except (IndexError, KeyError):
         return None
     data = decode_bin_header(view[pos:])
     if data is None:
         return None
-    try:  # the head with its data emptied is a whole frame: the decoder checks every field as for any other
-        chunk = _decoder.decode(bytes(view[:pos]) + _EMPTY_BIN)
+    try:  # the head with empty data and a checksum is a whole frame: the decoder checks every field as for any other
+        chunk = _decoder.decode(bytes(view[:pos]) + _EMPTY_BIN + b"\x00")
     except msgspec.DecodeError:
         return None
     return chunk, pos + data[1], data[0]
+
+
+def decode_chunk_trailer(buffer: bytes | memoryview) -> int | None:
+    """The checksum that follows a chunk's data (`chunk_trailer`, or msgpack's narrowest uint where the whole frame
+    was encoded at once), when `buffer` is exactly one uint; else None."""
+    view = memoryview(buffer).cast("B")
+    if len(view) == 1 and view[0] < 0x80:
+        return view[0]
+    if not view or _UINT_BYTES.get(view[0]) != len(view) - 1:
+        return None
+    return int.from_bytes(view[1:], "big")
 
 
 def decode_frame(payload: bytes | memoryview) -> KvFrame:
@@ -279,6 +291,28 @@ def _checksum_of(sums, tail, size: int) -> int:
     bytes after the last whole fold: the CRC-32 of the sums, then of the tail, then of the length."""
     crc = zlib.crc32(sums) if sums is not None else 0
     return zlib.crc32(size.to_bytes(8, "big"), zlib.crc32(tail, crc))
+
+
+class FoldSums:
+    """`chunk_checksum` taken piece by piece: the folds' column sums of buffers that follow one another in the
+    chunk, each a whole number of folds, added as they come (a sender's parts before it sends them, a receiver's
+    bytes as they land), each while the CPU's cache holds it for the copy just before or after."""
+
+    def __init__(self, fold_bytes: int):
+        self.sums = np.zeros(fold_bytes // _WORD.itemsize, dtype=_WORD)
+        self.size = 0
+
+    def add(self, buffer: memoryview) -> None:
+        """ValueError for a buffer that is no whole number of folds."""
+        if buffer.nbytes % (self.sums.size * _WORD.itemsize):
+            raise ValueError(f"{buffer.nbytes} bytes are no whole number of {self.sums.size * _WORD.itemsize}-byte "
+                             f"folds")
+        self.sums += np.frombuffer(buffer, dtype=_WORD).reshape(-1, self.sums.size).sum(axis=0, dtype=_WORD)
+        self.size += buffer.nbytes
+
+    def checksum(self) -> int:
+        """`chunk_checksum` of the bytes added so far."""
+        return _checksum_of(self.sums if self.size else None, b"", self.size)
 
 
 def rows_checksum(rows: list[np.ndarray] | list[torch.Tensor], fold_bytes: int) -> int:
@@ -419,10 +453,10 @@ def stream_blocks(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayo
 class KvExport:
     """One transfer's frames, produced as they are consumed, in either of two forms (one per transfer). Iterated:
     the frames, each chunk's data bytes of its own (an in-process transport). `pieces()`: each frame with its
-    chunk's data as the buffers it lies in, for a transport that writes them with no copy but the kernel's
+    chunk's data as `ChunkData`, for a transport that writes it from where it lies with no copy but the kernel's
     (`cluster.protocol.send_kv_frames`)."""
 
-    def __init__(self, pieces: Iterator[tuple[KvBegin | KvChunk | KvEnd, list[memoryview]]]):
+    def __init__(self, pieces: Iterator[tuple[KvBegin | KvChunk | KvEnd, "ChunkData | None"]]):
         self._pieces = pieces
 
     def __iter__(self) -> "KvExport":
@@ -430,16 +464,59 @@ class KvExport:
 
     def __next__(self) -> KvBegin | KvChunk | KvEnd:
         frame, data = next(self._pieces)
-        if isinstance(frame, KvChunk):
-            return KvChunk(frame.request_id, frame.index, frame.checksum, memoryview(b"".join(data)))
-        return frame
+        if data is None:
+            return frame
+        joined = memoryview(b"".join(buffer for part in data.parts() for buffer in part))
+        return KvChunk(frame.request_id, frame.index, joined, data.checksum)
 
-    def pieces(self) -> Iterator[tuple[KvBegin | KvChunk | KvEnd, list[memoryview]]]:
-        """(frame, data): a chunk with its data empty and its `data` the buffers that hold it in order, views of
-        the cache's blocks on the CPU (each run of consecutive blocks one buffer, the blocks' bytes as they are when
-        it is sent), of a pinned host buffer read from a device's, valid until the next piece is asked for; the
-        other frames with none. Its checksum was taken where the data lies (`rows_checksum`), just before."""
+    def pieces(self) -> Iterator[tuple[KvBegin | KvChunk | KvEnd, "ChunkData | None"]]:
+        """(frame, data): a chunk with its data and checksum empty, and its `data` the `ChunkData` that gives both
+        (its parts must all be taken before the next piece is asked for: the end's checksum chains theirs); the
+        other frames with None. A transport writes a chunk's head (`encode_chunk_head`), its parts as they come,
+        then its checksum (`chunk_trailer`)."""
         return self._pieces
+
+
+class ChunkData:
+    """A chunk's data as a sender writes it: its buffers, in parts (`parts()`), and once they were all taken its
+    checksum. On the CPU the buffers are the cache's blocks (a view per run of consecutive blocks), and each part is
+    folded into the checksum just before it is handed over: the copy into the socket then finds it in the CPU's
+    cache, and the first bytes go out before the last are read. From a device's cache one pinned buffer, summed on
+    the device before its copy out (`checksum` given)."""
+
+    __slots__ = ("buffers", "nbytes", "_fold_bytes", "_checksum")
+
+    def __init__(self, buffers: list[memoryview], fold_bytes: int, checksum: int | None = None):
+        self.buffers = buffers
+        self.nbytes = sum(buffer.nbytes for buffer in buffers)
+        self._fold_bytes, self._checksum = fold_bytes, checksum
+
+    def parts(self) -> Iterator[list[memoryview]]:
+        """The data in order, as lists of buffers of about `SEND_PART_BYTES` in all (a buffer longer than that is
+        cut), each for one write."""
+        sums = FoldSums(self._fold_bytes) if self._checksum is None else None
+        part, size = [], 0
+        for buffer in self.buffers:
+            for at in range(0, buffer.nbytes, SEND_PART_BYTES):
+                piece = buffer[at:at + SEND_PART_BYTES]
+                if sums is not None:
+                    sums.add(piece)
+                part.append(piece)
+                size += piece.nbytes
+                if size >= SEND_PART_BYTES:
+                    yield part
+                    part, size = [], 0
+        if part:
+            yield part
+        if sums is not None:
+            self._checksum = sums.checksum()
+
+    @property
+    def checksum(self) -> int:
+        """RuntimeError before every part was taken."""
+        if self._checksum is None:
+            raise RuntimeError("a chunk's checksum is known once all its parts were taken")
+        return self._checksum
 
 
 def _chunk_spans(total: int, unit: int, max_chunk_bytes: int) -> tuple[int, Iterator[tuple[int, int]]]:
@@ -454,68 +531,68 @@ def _chunk_spans(total: int, unit: int, max_chunk_bytes: int) -> tuple[int, Iter
                                    for start in range(0, total, unit) for at in range(0, unit, max_chunk_bytes))
 
 
-def _blocks_of(blocks, block_ids: list[int], start: int, end: int) -> list:
-    """Payload bytes `start .. end` as views of the cache's `[blocks, block bytes]` (`_block_rows`, numpy or torch),
-    each 2-D: the part of a block the span starts in, then its whole blocks, a view per run of consecutive ids, then
-    the part of a block it ends in."""
-    unit = blocks.shape[1]
+def _block_spans(unit: int, block_ids: list[int], start: int, end: int) -> list[tuple[int, int]]:
+    """Where payload bytes `start .. end` lie in a block-major cache of blocks of `unit` bytes, as (offset, size)
+    in its bytes: the part of a block the span starts in, then its whole blocks, one span per run of consecutive
+    ids, then the part of a block it ends in."""
     first, last = -(-start // unit), end // unit  # the whole blocks: first .. last - 1
     if first > last:  # inside one block
-        return [blocks[block_ids[last], start - last * unit:end - last * unit][None]]
-    views = [blocks[block_ids[first - 1], start - (first - 1) * unit:][None]] if start < first * unit else []
+        return [(block_ids[last] * unit + start - last * unit, end - start)]
+    spans = [(block_ids[first - 1] * unit + start - (first - 1) * unit, first * unit - start)] \
+        if start < first * unit else []
     while first < last:
         run = 1
         while first + run < last and block_ids[first + run] == block_ids[first] + run:
             run += 1
-        views.append(blocks[block_ids[first]:block_ids[first] + run])
+        spans.append((block_ids[first] * unit, run * unit))
         first += run
     if last * unit < end:
-        views.append(blocks[block_ids[last], :end - last * unit][None])
-    return views
+        spans.append((block_ids[last] * unit, end - last * unit))
+    return spans
 
 
-def _buffer_views(array: np.ndarray, parts: list[np.ndarray]) -> list[memoryview]:
-    """`parts` (2-D byte views of the contiguous `array`, each one run of bytes) as memoryviews: slices of one
-    memoryview of `array`, cheaper to make than a memoryview of each numpy view."""
-    flat, base = memoryview(array.reshape(-1)), array.__array_interface__["data"][0]
-    views = []
-    for part in parts:
-        offset = part.__array_interface__["data"][0] - base
-        views.append(flat[offset:offset + part.size])
-    return views
+def _cache_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A contiguous cache's bytes, flat."""
+    return kv_cache.view(torch.uint8).reshape(-1)
 
 
 def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, block_ids: list[int],
-            first_block: int, max_chunk_bytes: int) -> Iterator[tuple[KvBegin | KvChunk | KvEnd, list[memoryview]]]:
+            first_block: int, max_chunk_bytes: int) -> Iterator[tuple[KvBegin | KvChunk | KvEnd, ChunkData | None]]:
     wanted = block_ids[first_block:] if layout.block_bytes else []
-    total = len(wanted) * layout.block_bytes
-    num_chunks, spans = _chunk_spans(total, layout.block_bytes, max_chunk_bytes)
-    yield KvBegin(request_id, layout, first_block, len(block_ids), total, num_chunks), []
+    unit, fold = layout.block_bytes, layout.fold_bytes
+    total = len(wanted) * unit
+    num_chunks, spans = _chunk_spans(total, unit, max_chunk_bytes)
+    yield KvBegin(request_id, layout, first_block, len(block_ids), total, num_chunks), None
     crc, staging = 0, None
     if num_chunks:
-        blocks = _block_rows(kv_cache)
-        if blocks.device.type == "cpu":
-            blocks = blocks.numpy()
+        flat = _cache_bytes(kv_cache)
+        if flat.device.type == "cpu":
+            host = memoryview(flat.numpy())
         else:  # each chunk crosses into this pinned buffer first, one DMA per run of blocks
             staging = _staging.take(min(total, max_chunk_bytes))
     try:
         for index, (start, end) in enumerate(spans):
-            parts = _blocks_of(blocks, wanted, start, end)
-            checksum = rows_checksum(parts, layout.fold_bytes)  # a device's on the device, before the copy out
+            runs = _block_spans(unit, wanted, start, end)
             if staging is not None:
+                parts = [flat[offset:offset + size] for offset, size in runs]
+                checksum = rows_checksum([part[None] for part in parts], fold)  # on the device, before the copy out
                 at = 0
                 for part in parts:
-                    staging[at:at + part.numel()].view(part.shape).copy_(part)
+                    staging[at:at + part.numel()].copy_(part)
                     at += part.numel()
-                views = [memoryview(staging[:at].numpy())]
+                data = ChunkData([memoryview(staging[:at].numpy())], fold, checksum)
             else:
-                views = _buffer_views(blocks, parts)
-            crc = _chain(crc, checksum)
-            yield KvChunk(request_id, index, checksum, b""), views
+                buffers = [host[offset:offset + size] for offset, size in runs]
+                # a layout whose blocks are no whole folds (none of a real model's) is summed at once, copied
+                checksum = rows_checksum([np.frombuffer(b, dtype=np.uint8)[None] for b in buffers], fold) \
+                    if any(buffer.nbytes % fold for buffer in buffers) else None
+                data = ChunkData(buffers, fold, checksum)
+            yield KvChunk(request_id, index, b"", 0), data
+            crc = _chain(crc, data.checksum)
     finally:
         if staging is not None:
             _staging.give(staging)
-    yield KvEnd(request_id, num_chunks, crc), []
+    yield KvEnd(request_id, num_chunks, crc), None
 
 
 class _BufferPool:
@@ -575,13 +652,18 @@ class ChunkLanding:
     which a transport fills (`fill`, `write`) and then `receive`s as the chunk's data. Into a CPU cache they are the
     reserved blocks the bytes belong in, so that nothing copies them again; else one buffer of staging.
     Each fill goes in under the receiver's lock and none after `KvReceiver.cancel`: the blocks may be given back as
-    soon as it returns."""
+    soon as it returns. With `fold_bytes` (a receiver that checks the chunk on the host) the bytes are summed for
+    its checksum as they land (`checksum`), while the CPU's cache still holds them."""
 
-    def __init__(self, buffers: list[memoryview], receiver: "KvReceiver"):
+    def __init__(self, buffers: list[memoryview], receiver: "KvReceiver", fold_bytes: int | None = None):
         self.buffers, self.receiver = buffers, receiver
         self._ends = list(itertools.accumulate(b.nbytes for b in buffers))  # each buffer's end in the chunk
         self.nbytes = self._ends[-1] if buffers else 0
         self.filled = 0
+        self._fold_bytes = fold_bytes
+        # summed as they land where every buffer is whole folds (a real model's blocks are); else at `checksum`
+        self._sums = FoldSums(fold_bytes) if fold_bytes and all(b.nbytes % fold_bytes == 0 for b in buffers) \
+            else None
 
     def __len__(self) -> int:
         return self.nbytes
@@ -607,7 +689,26 @@ class ChunkLanding:
                 rest[0] = rest[0][self.filled - (self._ends[at] - rest[0].nbytes):]
             nbytes = read(rest)
             self.filled += nbytes
+            if self._sums is not None:
+                self._sum_landed()
         return nbytes
+
+    def _sum_landed(self) -> None:
+        """Folds the whole folds landed since the last call into the sums."""
+        fold, summed = self._fold_bytes, self._sums.size
+        end = self.filled - self.filled % fold
+        while summed < end:
+            at = bisect.bisect_right(self._ends, summed)
+            begins = self._ends[at] - self.buffers[at].nbytes
+            part = self.buffers[at][summed - begins:min(self._ends[at], end) - begins]
+            self._sums.add(part)
+            summed += part.nbytes
+
+    def checksum(self) -> int:
+        """`chunk_checksum` of the bytes of a filled landing (given `fold_bytes`)."""
+        if self._sums is None:
+            return chunk_checksum(b"".join(self.buffers), self._fold_bytes)
+        return self._sums.checksum()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Copies `data` into the unfilled part, from its start; ValueError when it does not fit."""
@@ -661,8 +762,8 @@ class KvReceiver:
         self._unchecked: list[tuple[int, int, int]] = []
         self._buffers: list[torch.Tensor] = []  # host buffers taken from `_staging`, given back when it goes
         weakref.finalize(self, _staging.give_all, self._buffers).atexit = False
-        if self.in_place:  # the cache's blocks, `[blocks, block bytes]`: a view
-            self._blocks = _block_rows(kv_cache).numpy()
+        if self.in_place:  # the cache's bytes, flat: a view
+            self._cache_bytes = memoryview(_cache_bytes(kv_cache).numpy())
         elif self.total_bytes:
             self._buffers.append(_staging.take(self.total_bytes))
             self.payload = self._buffers[-1][:self.total_bytes]
@@ -672,7 +773,6 @@ class KvReceiver:
         self._writing = threading.Lock()  # a write into the cache against `cancel`
         self._received = self._num_chunks = self._next_index = self._crc = 0
         self._landing: ChunkLanding | None = None  # the last `chunk_memory`, until the next chunk is received
-        self._landing_blocks: list[np.ndarray] = []  # its blocks' views, in place: where its checksum is taken
 
     @property
     def request_id(self) -> str:
@@ -710,11 +810,11 @@ class KvReceiver:
             raise KvTransferError(f"request {self.request_id!r}: a chunk of {nbytes} bytes runs past the announced "
                                   f"{self.total_bytes} bytes ({self._received} received)")
         if self.in_place:
-            self._landing_blocks = _blocks_of(self._blocks, self._pulled, self._received, end)
-            buffers = _buffer_views(self._blocks, self._landing_blocks)
+            buffers = [self._cache_bytes[offset:offset + size] for offset, size in
+                       _block_spans(self.handoff.layout.block_bytes, self._pulled, self._received, end)]
         else:
             buffers = [memoryview(self.payload.numpy()[self._received:end])]
-        self._landing = ChunkLanding(buffers, self)
+        self._landing = ChunkLanding(buffers, self, None if self.checked_on_device else self.handoff.layout.fold_bytes)
         return self._landing
 
     def _begin(self, begin: KvBegin) -> None:
@@ -742,10 +842,10 @@ class KvReceiver:
             if data.filled != data.nbytes:
                 raise KvTransferError(f"request {self.request_id!r}: chunk {index} landed {data.filled} of its "
                                       f"{data.nbytes} bytes")
-            if self.in_place:
-                self._check(index, rows_checksum(self._landing_blocks, fold), chunk.checksum)
+            if self.checked_on_device:
+                self._unchecked.append((self._received, end, chunk.checksum))
             else:
-                self._staged(index, end, data.buffers[0], chunk.checksum)
+                self._check(index, data.checksum(), chunk.checksum)
         elif self.in_place:  # checked as it came, then written into its blocks while it is still cached
             received = np.frombuffer(data, dtype=np.uint8)
             self._check(index, chunk_checksum(received, fold), chunk.checksum)

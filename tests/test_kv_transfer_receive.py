@@ -19,8 +19,8 @@ from cluster import protocol as p
 from cluster.worker import _PeerKv
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.kv_transfer import ChunkLanding, Handoff, KvChunk, KvLayout, KvReceiver, KvTransferError, decode_frame, \
-    read_blocks, stream_blocks
+from engine.kv_transfer import CHUNK_TRAILER_BYTES, ChunkLanding, Handoff, KvChunk, KvLayout, KvReceiver, \
+    KvTransferError, chunk_trailer, decode_frame, read_blocks, stream_blocks
 from scheduler.slo import SLO
 
 BLOCK_SIZE = 4
@@ -51,17 +51,22 @@ class Spy(KvReceiver):
         super().receive(frame)
 
 
+def written(frame) -> bytes:
+    """A hand-off frame as a KvData frame, written as the sender writes it: a chunk's head, data and checksum."""
+    if not isinstance(frame, KvChunk):
+        return p.encode_kv_head(frame, 0)
+    return p.encode_kv_head(frame, len(frame.data)) + bytes(frame.data) + chunk_trailer(frame.checksum)
+
+
 def wire(request_id: str, chunk_bytes: int, flip_chunk: int | None = None) -> tuple[bytes, list[int], list[int]]:
     """The KvData frames of the blocks' transfer as one byte string, where each chunk's data starts in it and where
     each frame ends; the data of chunk `flip_chunk` with a byte flipped (its checksum left as it was)."""
     out, starts, ends = bytearray(), [], []
     layout = KvLayout.of_cache(CACHE, BLOCK_SIZE)
     for frame in stream_blocks(request_id, CACHE, layout, BLOCKS, 0, chunk_bytes):
-        head, data = p.encode_kv_data(frame)
-        out += head
+        out += written(frame)
         if isinstance(frame, KvChunk):
-            starts.append(len(out))
-        out += data
+            starts.append(len(out) - CHUNK_TRAILER_BYTES - len(frame.data))
         ends.append(len(out))
     if flip_chunk is not None:
         out[starts[flip_chunk] + 3] ^= 0x10
@@ -206,6 +211,7 @@ def test_a_corrupted_chunk_for_a_cpu_cache_is_refused_and_nothing_after_it_is_wr
 @pytest.mark.parametrize("cut, error, message", [
     (lambda starts, ends: starts[2] + 500, p.ProtocolError, "stream ended inside a frame of"),  # in a chunk's data
     (lambda starts, ends: starts[2] - 10, p.ProtocolError, "stream ended inside a frame of"),  # in a chunk's head
+    (lambda starts, ends: ends[1] - 3, p.ProtocolError, "stream ended inside a frame of"),  # in its checksum
     (lambda starts, ends: 2, p.ProtocolError, "inside a frame header .2 of 4 bytes"),
 ])
 def test_a_stream_that_ends_early_fails_with_what_went_wrong(cut, error, message):
@@ -214,6 +220,18 @@ def test_a_stream_that_ends_early_fails_with_what_went_wrong(cut, error, message
     with pytest.raises(error, match=message):
         asyncio.run(pull(receiver, data[:cut(starts, ends)]))
     assert not receiver.complete
+
+
+def test_a_chunk_that_ends_in_no_checksum_is_refused():
+    """The bytes after a chunk's data that are not one msgpack uint: a ProtocolError that names them, the chunk
+    not received."""
+    receiver = Spy("r")
+    data, _, ends = wire("r", 1000)
+    broken = bytearray(data)
+    broken[ends[1] - CHUNK_TRAILER_BYTES] = 0xC0  # the checksum's marker: nil
+    with pytest.raises(p.ProtocolError, match="a KV chunk of 1000 bytes ends in b'.xc0.*', not its checksum"):
+        asyncio.run(pull(receiver, bytes(broken)))
+    assert receiver.landed == [] and not receiver.complete
 
 
 def test_a_pull_cut_mid_chunk_gives_the_reservation_back(llama_tiny):
@@ -242,11 +260,9 @@ def test_a_pull_cut_mid_chunk_gives_the_reservation_back(llama_tiny):
         pulled = await p.read_message(reader)
         sent, cut = bytearray(), None
         for frame in prefill.export_kv("cut", pulled.first_block, 1000):
-            head, data = p.encode_kv_data(frame)
-            sent += head
+            sent += written(frame)
             if cut is None and isinstance(frame, KvChunk):
-                cut = len(sent) + len(data) // 2  # inside the first chunk's data
-            sent += data
+                cut = len(sent) - CHUNK_TRAILER_BYTES - len(frame.data) // 2  # inside the first chunk's data
         writer.write(bytes(sent[:cut]))
         await writer.drain()
         writer.close()
@@ -304,8 +320,8 @@ def test_a_message_read_after_a_transfer_is_decoded_whole_and_a_clean_end_is_non
 
 
 def test_a_kv_data_chunk_head_is_found_only_when_it_adds_up_to_the_frame():
-    """`decode_kv_chunk_head` of a KvData frame's first bytes: the chunk and where its data starts in the payload;
-    None for other frames and for a frame length that does not match the head's."""
+    """`decode_kv_chunk_head` of a KvData frame's first bytes: the chunk, where its data starts in the payload and
+    its size (its checksum follows); None for other frames and for a frame length that does not match the head's."""
     data, _, _ = wire("r", 1000)
     size = p.HEADER.unpack_from(data, 0)[0]
     begin = data[p.HEADER.size:p.HEADER.size + size]
@@ -313,9 +329,10 @@ def test_a_kv_data_chunk_head_is_found_only_when_it_adds_up_to_the_frame():
     chunk_frame = data[p.HEADER.size + size:]
     size = p.HEADER.unpack_from(chunk_frame, 0)[0]
     payload = chunk_frame[p.HEADER.size:p.HEADER.size + size]
-    chunk, start = p.decode_kv_chunk_head(payload[:200], size)
-    assert (chunk.request_id, chunk.index, size - start) == ("r", 0, 1000)  # a part of a block: one does not fit
-    assert bytes(decode_frame(p.decode_payload(payload).frame).data) == payload[start:]
+    chunk, start, nbytes = p.decode_kv_chunk_head(payload[:200], size)
+    assert (chunk.request_id, chunk.index, nbytes) == ("r", 0, 1000)  # a part of a block: one does not fit
+    assert size - start - nbytes == CHUNK_TRAILER_BYTES
+    assert bytes(decode_frame(p.decode_payload(payload).frame).data) == payload[start:start + nbytes]
     assert p.decode_kv_chunk_head(payload[:200], size + 1) is None
     assert p.decode_kv_chunk_head(p.encode_frame(p.KvDone("r"))[p.HEADER.size:], 10) is None
 

@@ -17,7 +17,7 @@ from cluster.service import RouterService
 from cluster.worker import Worker
 from engine import LLM, EngineConfig, SamplingParams
 from engine.engine import Engine
-from engine.kv_transfer import KvChunk, KvEnd, decode_frame, encode_frame
+from engine.kv_transfer import KvChunk, KvEnd, chunk_trailer, decode_frame, encode_frame
 from engine.llm import build_engine
 from scheduler.roofline import emulated_latency_model
 
@@ -381,16 +381,19 @@ def test_the_hand_off_frames_round_trip():
         assert p.decode_payload(data[p.HEADER.size:]) == frame
 
 
-def test_a_kv_data_frame_written_in_two_parts_is_the_one_frame():
-    """`encode_kv_data`'s head and data, joined, are the KvData frame of the encoded hand-off frame, which decodes
-    back to it; over the frame bound it is refused."""
+def test_a_kv_data_frame_written_from_where_the_chunk_lies_is_the_one_frame():
+    """`encode_kv_head` of a chunk, its data as it lies and its checksum (`chunk_trailer`), joined, are one KvData
+    frame of the length its header says, which decodes back to the chunk; another frame is whole in its head; over
+    the frame bound it is refused."""
     data = bytes(range(256)) * 300
-    for frame in (KvChunk("r", 1, 5, memoryview(data)), KvEnd("r", 2, 9)):
-        head, body = p.encode_kv_data(frame)
-        assert head + bytes(body) == p.encode_frame(p.KvData(encode_frame(frame)))
-        assert decode_frame(p.decode_payload((head + bytes(body))[p.HEADER.size:]).frame) == frame
+    chunk = KvChunk("r", 1, memoryview(data), 5)
+    frame = p.encode_kv_head(chunk, len(data)) + data + chunk_trailer(5)
+    assert p.HEADER.unpack_from(frame)[0] == len(frame) - p.HEADER.size
+    assert decode_frame(p.decode_payload(frame[p.HEADER.size:]).frame) == chunk
+    end = KvEnd("r", 2, 9)
+    assert p.encode_kv_head(end, 0) == p.encode_frame(p.KvData(encode_frame(end)))
     with pytest.raises(ValueError, match="exceeds the bound"):
-        p.encode_kv_data(KvChunk("r", 1, 5, memoryview(data)), max_bytes=len(data))
+        p.encode_kv_head(chunk, len(data), max_bytes=len(data))
 
 
 @pytest.mark.parametrize("policy", ["polyserve", "least-loaded"])

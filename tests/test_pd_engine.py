@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.kv_transfer import ChunkLanding, Handoff, KvBegin, KvChunk, KvEnd, KvImportRefused, KvLayout, \
-    KvReceiver, KvTransferError, chunk_checksum, decode_chunk_head, decode_frame, encode_frame, encode_frame_parts, \
-    payload_checksums, read_blocks, rows_checksum, stream_blocks, write_blocks
+from engine.kv_transfer import CHUNK_TRAILER_BYTES, ChunkLanding, FoldSums, Handoff, KvBegin, KvChunk, KvEnd, \
+    KvImportRefused, KvLayout, KvReceiver, KvTransferError, chunk_checksum, chunk_trailer, decode_chunk_head, \
+    decode_chunk_trailer, decode_frame, encode_chunk_head, encode_frame, payload_checksums, read_blocks, \
+    rows_checksum, stream_blocks, write_blocks
 from scheduler.slo import SLO
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -204,44 +205,62 @@ def test_a_devices_rows_are_checksummed_where_they_lie_to_the_same_checksum(devi
             assert rows_checksum(on_device, fold) == rows_checksum(on_host, fold), (fold, parts)
 
 
-def test_a_chunk_is_encoded_without_its_data_copied_into_the_same_bytes():
-    """The head and the data of `encode_frame_parts`, joined, are `encode_frame`'s bytes at every width of msgpack's
-    bin header; the data part is the chunk's own memory; the other frames are whole in the head."""
+def test_a_chunk_written_from_where_its_data_lies_decodes_as_the_chunk():
+    """`encode_chunk_head`, the data, then `chunk_trailer`: the chunk's frame at every width of msgpack's bin
+    header, decoded to the same fields as `encode_frame`'s bytes (which carry the checksum in msgpack's narrowest
+    uint). The trailer is of fixed width, and `decode_chunk_trailer` reads it and the narrow forms alike, and
+    nothing else."""
     data = np.random.default_rng(1).integers(0, 256, 70_000, dtype=np.uint8)
     for size in (0, 1, 255, 256, 65_535, 65_536, 70_000):
-        chunk = KvChunk("r", 3, chunk_checksum(data[:size], 4096), memoryview(data[:size]))
-        head, body = encode_frame_parts(chunk)
-        assert head + bytes(body) == encode_frame(chunk), size
-        assert size == 0 or np.shares_memory(np.frombuffer(body, dtype=np.uint8), data)
-        assert bytes(decode_frame(head + bytes(body)).data) == data[:size].tobytes()
-    end = KvEnd("r", 2, 7)
-    assert encode_frame_parts(end) == (encode_frame(end), b"")
+        checksum = chunk_checksum(data[:size], 4096)
+        chunk = KvChunk("r", 3, memoryview(data[:size]), checksum)
+        written = encode_chunk_head(chunk, size) + data[:size].tobytes() + chunk_trailer(checksum)
+        for encoded in (written, encode_frame(chunk)):
+            decoded = decode_frame(encoded)
+            assert (decoded.request_id, decoded.index, bytes(decoded.data), decoded.checksum) == \
+                ("r", 3, data[:size].tobytes(), checksum), size
+    for checksum in (0, 127, 128, 255, 256, 2**16, 2**32 - 1, 2**32, 2**64 - 1):
+        assert len(chunk_trailer(checksum)) == CHUNK_TRAILER_BYTES
+        assert decode_chunk_trailer(chunk_trailer(checksum)) == checksum
+        narrow = encode_frame(KvChunk("r", 0, b"", checksum))[len(encode_chunk_head(KvChunk("r", 0, b"", 0), 0)):]
+        assert decode_chunk_trailer(narrow) == checksum and len(narrow) <= CHUNK_TRAILER_BYTES
+    for bad in (b"", b"\xcf\x00", chunk_trailer(5) + b"\x00", b"\xc0", b"\x01\x02", b"\xa1x"):
+        assert decode_chunk_trailer(bad) is None, bad
 
 
 @pytest.mark.parametrize("max_chunk_bytes", [1024, 300, 100])
 def test_a_senders_pieces_are_the_caches_blocks_themselves(max_chunk_bytes):
     """`KvExport.pieces` of scattered blocks from a resumed first block: each chunk's data is views of the cache's
     blocks (no copy), whole blocks where a block fits in a chunk (a run of consecutive ids one view), else parts of
-    one; joined they are `read_blocks`' bytes, each chunk's checksum is that of its bytes, and the iterated frames
-    carry the same bytes and checksums."""
+    one; joined they are `read_blocks`' bytes, each chunk's checksum (summed as its parts are taken, or at once
+    where they are no whole folds) is that of its bytes, and the iterated frames carry the same bytes and
+    checksums."""
     cache = torch.randn(12, 2, 2, 4, 2, 8).to(torch.bfloat16)  # 512-byte blocks
     layout, blocks = KvLayout.of_cache(cache, 4), [5, 0, 9, 10, 3, 11, 7]
-    pieces = list(stream_blocks("p", cache, layout, blocks, 2, max_chunk_bytes).pieces())
+    pieces, chunks = [], []
+    for frame, data in stream_blocks("p", cache, layout, blocks, 2, max_chunk_bytes).pieces():
+        pieces.append((frame, data))
+        if data is not None:
+            if max_chunk_bytes >= 512:  # whole folds: summed as the parts are taken
+                with pytest.raises(RuntimeError, match="once all its parts were taken"):
+                    data.checksum
+            chunks.append((frame, data, [buffer for part in data.parts() for buffer in part], data.checksum))
     frames = list(stream_blocks("p", cache, layout, blocks, 2, max_chunk_bytes))
-    chunks = [(frame, data) for frame, data in pieces if isinstance(frame, KvChunk)]
     raw = cache.view(torch.uint8).numpy()
-    sizes = [sum(d.nbytes for d in data) for _, data in chunks]
+    sizes = [data.nbytes for _, data, _, _ in chunks]
     assert pieces[0][0].num_chunks == len(chunks) and pieces[0][0].total_bytes == sum(sizes) == 5 * 512
+    assert all(isinstance(frame, KvChunk) for frame, _, _, _ in chunks) and pieces[-1][1] is None
     if max_chunk_bytes >= 512:
-        assert [[d.nbytes for d in data] for _, data in chunks] == [[1024], [512, 512], [512]]  # 9-10, 3-11, 7
+        assert [[d.nbytes for d in data.buffers] for _, data, _, _ in chunks] == [[1024], [512, 512], [512]]
     else:
         assert sizes == ([max_chunk_bytes] * (512 // max_chunk_bytes) + [512 % max_chunk_bytes]) * 5
-    for frame, data in chunks:
-        assert all(np.shares_memory(np.frombuffer(d, dtype=np.uint8), raw) for d in data)
-        assert frame.checksum == chunk_checksum(b"".join(data), layout.fold_bytes)
-    joined = b"".join(bytes(d) for _, data in chunks for d in data)
+    for _, data, buffers, checksum in chunks:
+        assert sum(b.nbytes for b in buffers) == data.nbytes
+        assert all(np.shares_memory(np.frombuffer(d, dtype=np.uint8), raw) for d in buffers)
+        assert checksum == chunk_checksum(b"".join(buffers), layout.fold_bytes)
+    joined = b"".join(bytes(d) for _, _, buffers, _ in chunks for d in buffers)
     assert joined == read_blocks(cache, blocks[2:]).tobytes()
-    assert [f.checksum for f in frames[1:-1]] == [f.checksum for f, _ in chunks]
+    assert [f.checksum for f in frames[1:-1]] == [checksum for _, _, _, checksum in chunks]
     assert b"".join(bytes(f.data) for f in frames[1:-1]) == joined and frames[-1] == pieces[-1][0]
     with pytest.raises(ValueError, match="contiguous cache only"):
         stream_blocks("p", cache.transpose(3, 4), layout, blocks, 0)
@@ -489,7 +508,7 @@ def test_a_cancelled_receiver_writes_nothing_more_and_refuses_what_comes():
     data = np.random.default_rng(5).integers(1, 256, 1024, dtype=np.uint8)
     receiver.receive(KvBegin("c", layout, 1, 3, 1024, 2))
     fold = layout.fold_bytes
-    staged(receiver, [KvChunk("c", 0, chunk_checksum(data[:700], fold), memoryview(data[:700]))])
+    staged(receiver, [KvChunk("c", 0, memoryview(data[:700]), chunk_checksum(data[:700], fold))])
     landed = read_blocks(cache, [6, 1])
     assert landed[:700].tobytes() == data[:700].tobytes() and not landed[700:].any()
     assert not cache[[0, 2, 3, 4, 5, 7]].any()
@@ -498,7 +517,7 @@ def test_a_cancelled_receiver_writes_nothing_more_and_refuses_what_comes():
     with pytest.raises(KvTransferError, match="the import was cancelled"):
         landing.write(data[700:])
     with pytest.raises(KvTransferError, match="after the transfer was cancelled"):
-        receiver.receive(KvChunk("c", 1, chunk_checksum(data[700:], fold), memoryview(data[700:])))
+        receiver.receive(KvChunk("c", 1, memoryview(data[700:]), chunk_checksum(data[700:], fold)))
     assert not read_blocks(cache, [6, 1])[700:].any()
 
 
@@ -536,7 +555,7 @@ def test_a_devices_import_is_checked_on_the_device_before_any_block_is_written(d
             if corrupt and isinstance(frame, KvChunk) and frame.index == 1:
                 data = bytearray(frame.data)
                 data[5] ^= 1
-                frame = KvChunk(frame.request_id, frame.index, frame.checksum, memoryview(data))
+                frame = KvChunk(frame.request_id, frame.index, memoryview(data), frame.checksum)
             if corrupt and device == "cpu" and isinstance(frame, KvChunk) and frame.index == 1:
                 with pytest.raises(KvTransferError, match="chunk 1 fails its checksum"):
                     receiver.receive(frame)
@@ -571,23 +590,56 @@ def test_chunk_memory_is_given_only_for_a_due_chunk_within_the_announced_payload
         receiver.chunk_memory(513)
     data = np.arange(512, dtype=np.uint16).astype(np.uint8)
     fold = layout.fold_bytes
-    staged(receiver, [KvChunk("m", 0, chunk_checksum(data[:300], fold), memoryview(data[:300]))])
+    staged(receiver, [KvChunk("m", 0, memoryview(data[:300]), chunk_checksum(data[:300], fold))])
     with pytest.raises(KvTransferError, match="runs past the announced 512 bytes .300 received"):
         receiver.chunk_memory(213)
     memory = receiver.chunk_memory(212)
     assert np.shares_memory(np.frombuffer(memory.buffers[0], dtype=np.uint8), receiver.payload.numpy())
     memory.write(data[300:400])
     with pytest.raises(KvTransferError, match="chunk 1 landed 100 of its 212 bytes"):
-        receiver.receive(KvChunk("m", 1, chunk_checksum(data[300:], fold), memory))
+        receiver.receive(KvChunk("m", 1, memory, chunk_checksum(data[300:], fold)))
     memory = receiver.chunk_memory(212)
     memory.write(data[300:])
     with pytest.raises(ValueError, match="1 bytes do not fit in the 0 unfilled"):
         memory.write(b"x")
-    receiver.receive(KvChunk("m", 1, chunk_checksum(data[300:], fold), memory))
+    receiver.receive(KvChunk("m", 1, memory, chunk_checksum(data[300:], fold)))
     receiver.receive(KvEnd("m", 2, zlib_chain([chunk_checksum(data[:300], fold), chunk_checksum(data[300:], fold)])))
     assert receiver.complete and receiver.payload.numpy().tobytes() == data.tobytes()
     with pytest.raises(KvTransferError, match="no chunk is due .the transfer ended"):
         receiver.chunk_memory(1)
+
+
+def test_a_landing_sums_its_bytes_as_they_come_to_the_chunks_checksum():
+    """A chunk read into its scattered blocks in reads of any size (cut inside folds and across blocks) is summed
+    as it lands to `chunk_checksum` of its bytes; the receiver checks it by that sum, and a flipped byte fails it.
+    `FoldSums` takes whole folds only."""
+    layout = KvLayout(2, 1, 8, 4, "float32")  # 512-byte blocks, folded by 512
+    handoff = Handoff("s", [0] * 12, 0, SamplingParams(), SLO(1.0, 0.1), "t", 0.0, 0.0, None, 0, 0, layout, 3)
+    data = np.random.default_rng(8).integers(0, 256, 1536, dtype=np.uint8)
+    for flip in (None, 700):
+        cache = torch.zeros(8, 2, 2, 4, 1, 8)
+        receiver = KvReceiver(handoff, 0, [6, 2, 3], 0, cache)  # blocks 2 and 3: one run
+        receiver.receive(KvBegin("s", layout, 0, 3, 1536, 1))
+        landing = receiver.chunk_memory(1536)
+        assert [b.nbytes for b in landing.buffers] == [512, 1024]
+        sent = data.copy()
+        if flip is not None:
+            sent[flip] ^= 4
+        at = 0
+        for size in (3, 509, 600, 1, 423):
+            landing.write(sent[at:at + size])
+            at += size
+        assert landing.checksum() == chunk_checksum(sent, layout.fold_bytes)
+        honest = KvChunk("s", 0, landing, chunk_checksum(data, layout.fold_bytes))
+        if flip is not None:
+            with pytest.raises(KvTransferError, match="chunk 0 fails its checksum"):
+                receiver.receive(honest)
+            continue
+        receiver.receive(honest)
+        receiver.receive(KvEnd("s", 1, zlib_chain([honest.checksum])))
+        assert receiver.complete and read_blocks(cache, [6, 2, 3]).tobytes() == data.tobytes()
+    with pytest.raises(ValueError, match="100 bytes are no whole number of 512-byte folds"):
+        FoldSums(512).add(memoryview(bytes(100)))
 
 
 def test_a_chunk_head_decodes_from_the_leading_bytes_alone():
@@ -598,10 +650,9 @@ def test_a_chunk_head_decodes_from_the_leading_bytes_alone():
     for request_id in ("r", "x" * 40, "y" * 300):
         for index, checksum in ((0, 0), (127, 128), (70_000, 2**32 - 1), (2**33, 2**16)):
             for size in (0, 255, 256, 65_535, 65_536, 70_000):
-                head, body = encode_frame_parts(KvChunk(request_id, index, checksum, memoryview(data[:size])))
-                chunk, start, nbytes = decode_chunk_head(head + bytes(body[:9]))
-                assert (chunk.request_id, chunk.index, chunk.checksum, bytes(chunk.data)) == \
-                    (request_id, index, checksum, b"")
+                head = encode_chunk_head(KvChunk(request_id, index, memoryview(data[:size]), checksum), size)
+                chunk, start, nbytes = decode_chunk_head(head + data[:9])
+                assert (chunk.request_id, chunk.index, chunk.checksum, bytes(chunk.data)) == (request_id, index, 0, b"")
                 assert (start, nbytes) == (len(head), size)
             assert all(decode_chunk_head(head[:cut]) is None for cut in range(len(head)))
     layout = KvLayout(1, 1, 8, 4, "float32")
