@@ -27,15 +27,15 @@ because the engine produces and checks them itself: an in-process transport need
 Between two CPU caches nothing but the kernel copies the bytes. A sender takes each chunk as the cache's blocks
 (`KvExport.pieces`: `ChunkData`, views, each part summed just before it is sent) and a socket transport writes them
 as they are (`encode_chunk_head`, then the blocks: `sendmsg`, then `chunk_trailer`); from a device's cache a chunk
-crosses into pinned host memory first, its checksum summed on the device before it does. On the receiving side a
-transport that reads a frame's head first (`decode_chunk_head`) reads the chunk's data straight into the memory the
-receiver gives for it (`KvReceiver.chunk_memory`, a `ChunkLanding`), then its checksum (`decode_chunk_trailer`):
-into a CPU cache, the reserved blocks the bytes belong in, summed as they land; into a device's cache, the chunk's
-place in a staging payload, which crosses to the device in one DMA from pinned memory at the end, where every chunk
-is checked at once (`payload_checksums`) before one indexed copy puts it into the blocks (`write_blocks`): the
-decode side's CPU does not read the payload either. A chunk decoded whole (`decode_frame`, or iterated in process)
-is checked as it is (a device's: with the rest, at the end), then written into its blocks (`write_payload_part`) or
-its staging.
+crosses into pinned host memory first, its checksum summed on the device as it does, on a stream of the transfer's
+own, the next chunk while this one is sent. On the receiving side a transport that reads a frame's head first
+(`decode_chunk_head`) reads the chunk's data straight into the memory the receiver gives for it
+(`KvReceiver.chunk_memory`, a `ChunkLanding`), then its checksum (`decode_chunk_trailer`): into a CPU cache, the
+reserved blocks the bytes belong in, summed as they land; into a device's cache, the chunk's place in a staging
+payload, which crosses to the device in one DMA from pinned memory at the end, where every chunk is checked at once
+(`payload_checksums`) before one indexed copy puts it into the blocks (`write_blocks`): the decode side's CPU does
+not read the payload either. A chunk decoded whole (`decode_frame`, or iterated in process) is checked as it is (a
+device's: with the rest, at the end), then written into its blocks (`write_payload_part`) or its staging.
 """
 from __future__ import annotations
 
@@ -563,36 +563,84 @@ def _pieces(request_id: str, kv_cache: torch.Tensor | None, layout: KvLayout, bl
     total = len(wanted) * unit
     num_chunks, spans = _chunk_spans(total, unit, max_chunk_bytes)
     yield KvBegin(request_id, layout, first_block, len(block_ids), total, num_chunks), None
-    crc, staging = 0, None
-    if num_chunks:
-        flat = _cache_bytes(kv_cache)
-        if flat.device.type == "cpu":
-            host = memoryview(flat.numpy())
-        else:  # each chunk crosses into this pinned buffer first, one DMA per run of blocks
-            staging = _staging.take(min(total, max_chunk_bytes))
+    if not num_chunks:
+        yield KvEnd(request_id, 0, 0), None
+        return
+    flat = _cache_bytes(kv_cache)
+    if flat.device.type != "cpu":
+        yield from _device_pieces(request_id, flat, unit, fold, wanted, list(spans), total, max_chunk_bytes)
+        return
+    host, crc = memoryview(flat.numpy()), 0
+    for index, (start, end) in enumerate(spans):
+        buffers = [host[offset:offset + size] for offset, size in _block_spans(unit, wanted, start, end)]
+        # a layout whose blocks are no whole folds (none of a real model's) is summed at once, copied
+        checksum = rows_checksum([np.frombuffer(b, dtype=np.uint8)[None] for b in buffers], fold) \
+            if any(buffer.nbytes % fold for buffer in buffers) else None
+        data = ChunkData(buffers, fold, checksum)
+        yield KvChunk(request_id, index, b"", 0), data
+        crc = _chain(crc, data.checksum)
+    yield KvEnd(request_id, num_chunks, crc), None
+
+
+def _device_pieces(request_id: str, flat: torch.Tensor, unit: int, fold: int, wanted: list[int],
+                   spans: list[tuple[int, int]], total: int, max_chunk_bytes: int) \
+        -> Iterator[tuple[KvChunk | KvEnd, ChunkData | None]]:
+    """`_pieces`' chunks from a device's cache (`flat`, its bytes): each is summed on the device and copied into
+    pinned host memory (one DMA per run of blocks) on a stream of the transfer's own, so that neither holds up the
+    engine's work on its stream, and the next chunk crosses while this one is sent (two buffers in turn)."""
+    copier = torch.cuda.Stream(flat.device)
+    copier.wait_stream(torch.cuda.current_stream(flat.device))  # the blocks as the engine's queued work leaves them
+    staging = [_staging.take(min(total, max_chunk_bytes)) for _ in range(min(2, len(spans)))]
+
+    def stage(index: int) -> _StagedChunk:
+        start, end = spans[index]
+        parts = [flat[offset:offset + size] for offset, size in _block_spans(unit, wanted, start, end)]
+        return _StagedChunk(parts, staging[index % 2], fold, copier)
+
+    crc = 0
     try:
-        for index, (start, end) in enumerate(spans):
-            runs = _block_spans(unit, wanted, start, end)
-            if staging is not None:
-                parts = [flat[offset:offset + size] for offset, size in runs]
-                checksum = rows_checksum([part[None] for part in parts], fold)  # on the device, before the copy out
-                at = 0
-                for part in parts:
-                    staging[at:at + part.numel()].copy_(part)
-                    at += part.numel()
-                data = ChunkData([memoryview(staging[:at].numpy())], fold, checksum)
-            else:
-                buffers = [host[offset:offset + size] for offset, size in runs]
-                # a layout whose blocks are no whole folds (none of a real model's) is summed at once, copied
-                checksum = rows_checksum([np.frombuffer(b, dtype=np.uint8)[None] for b in buffers], fold) \
-                    if any(buffer.nbytes % fold for buffer in buffers) else None
-                data = ChunkData(buffers, fold, checksum)
+        ahead = stage(0)
+        for index in range(len(spans)):
+            staged, ahead = ahead, stage(index + 1) if index + 1 < len(spans) else None
+            data = staged.data()
             yield KvChunk(request_id, index, b"", 0), data
             crc = _chain(crc, data.checksum)
     finally:
-        if staging is not None:
-            _staging.give(staging)
-    yield KvEnd(request_id, num_chunks, crc), None
+        copier.synchronize()  # no copy still writes into a buffer given back
+        _staging.give_all(staging)
+    yield KvEnd(request_id, len(spans), crc), None
+
+
+class _StagedChunk:
+    """A chunk on its way from a device's cache into a pinned host buffer, queued on `copier`: its folds' sums
+    taken on the device and read back with it (where its parts are whole folds; else summed before, waiting)."""
+
+    def __init__(self, parts: list[torch.Tensor], buffer: torch.Tensor, fold_bytes: int, copier):
+        self.size = sum(part.numel() for part in parts)
+        self.host, self.fold_bytes = buffer[:self.size], fold_bytes
+        words, word = fold_bytes // _WORD.itemsize, _WORD.itemsize
+        whole = all(part.numel() % fold_bytes == 0 and part.storage_offset() % word == 0 for part in parts)
+        with torch.cuda.stream(copier):
+            self.checksum = None if whole else rows_checksum([part[None] for part in parts], fold_bytes)
+            self.sums = None
+            if whole:  # int64: two's-complement sums wrap as uint64's do
+                sums = sum(part.view(torch.int64).view(-1, words).sum(dim=0) for part in parts)
+                self.sums = torch.empty(words, dtype=torch.int64, pin_memory=True)
+                self.sums.copy_(sums, non_blocking=True)
+            at = 0
+            for part in parts:
+                self.host[at:at + part.numel()].copy_(part, non_blocking=True)
+                at += part.numel()
+            self.copied = torch.cuda.Event()
+            self.copied.record(copier)
+
+    def data(self) -> ChunkData:
+        """The chunk in host memory, with its checksum, once its copy is done (waits for it)."""
+        self.copied.synchronize()
+        checksum = self.checksum
+        if checksum is None:
+            checksum = _checksum_of(self.sums.numpy().view(_WORD) if self.size else None, b"", self.size)
+        return ChunkData([memoryview(self.host.numpy())], self.fold_bytes, checksum)
 
 
 class _BufferPool:

@@ -266,6 +266,30 @@ def test_a_senders_pieces_are_the_caches_blocks_themselves(max_chunk_bytes):
         stream_blocks("p", cache.transpose(3, 4), layout, blocks, 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("max_chunk_bytes", [1024, 300])
+def test_a_devices_export_sends_what_the_hosts_export_of_the_same_cache_sends(max_chunk_bytes):
+    """From a device's cache each chunk crosses into pinned memory on a stream of the transfer's own, the next one
+    while a transport takes this one: frame for frame the bytes and checksums of the same cache exported from the
+    host, whole folds (summed on the device) or not (300-byte chunks), after the writes the engine's stream queued
+    into the blocks before the export began; and again from the buffers a first export gave back."""
+    cache = torch.randn(12, 2, 2, 4, 2, 8, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    layout, blocks = KvLayout.of_cache(cache, 4), [5, 0, 9, 10, 3, 11, 7]
+    want = list(stream_blocks("g", cache, layout, blocks, 1, max_chunk_bytes))
+    for _ in range(2):
+        source, device = cache.cuda(), torch.zeros_like(cache, device="cuda")
+        torch.cuda._sleep(50_000_000)  # the engine's stream busy: the blocks' bytes land after this
+        device.copy_(source)
+        got = []
+        for frame, data in stream_blocks("g", device, layout, blocks, 1, max_chunk_bytes).pieces():
+            if data is not None:
+                joined = memoryview(b"".join(bytes(buffer) for part in data.parts() for buffer in part))
+                frame = KvChunk(frame.request_id, frame.index, joined, data.checksum)
+            got.append(frame)
+        assert got == want
+
+
 @pytest.mark.parametrize("damage, message", [
     (corrupt_flip, "chunk 1 fails its checksum"),
     (lambda frames: frames[:-1], "not complete"),  # the end never came
