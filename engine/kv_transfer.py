@@ -31,11 +31,11 @@ crosses into pinned host memory first, its checksum summed on the device as it d
 own, the next chunk while this one is sent. On the receiving side a transport that reads a frame's head first
 (`decode_chunk_head`) reads the chunk's data straight into the memory the receiver gives for it
 (`KvReceiver.chunk_memory`, a `ChunkLanding`), then its checksum (`decode_chunk_trailer`): into a CPU cache, the
-reserved blocks the bytes belong in, summed as they land; into a device's cache, the chunk's place in a staging
-payload, which crosses to the device in one DMA from pinned memory at the end, where every chunk is checked at once
-(`payload_checksums`) before one indexed copy puts it into the blocks (`write_blocks`): the decode side's CPU does
-not read the payload either. A chunk decoded whole (`decode_frame`, or iterated in process) is checked as it is (a
-device's: with the rest, at the end), then written into its blocks (`write_payload_part`) or its staging.
+reserved blocks the bytes belong in, summed as they land; into a device's cache, the chunk's place in pinned
+staging, from which it crosses into its blocks on a stream of the receiver's own as soon as it is in, and is summed
+there: the decode side's CPU does not read the payload, and its engine's thread and stream do not copy it. A chunk
+decoded whole (`decode_frame`, or iterated in process) is checked as it is (a device's: where it lands, at `apply`),
+then written into its blocks (`write_payload_part`) or its staging.
 """
 from __future__ import annotations
 
@@ -353,25 +353,6 @@ def _tensor_rows_checksum(rows: list[torch.Tensor], fold_bytes: int) -> int:
     return _checksum_of(sums.cpu().numpy().view(_WORD) if sums is not None else None, tail, size)
 
 
-def payload_checksums(payload: torch.Tensor, spans: list[tuple[int, int]], fold_bytes: int) -> list[int]:
-    """`chunk_checksum` of each span of `payload`, a byte tensor, summed on its device. Spans of whole folds one
-    after another from the start (a KV payload's chunks) take one reduction for all, their folds' words added into
-    a row per chunk; others are summed span by span."""
-    words = fold_bytes // _WORD.itemsize
-    whole = all((end - start) % fold_bytes == 0 for start, end in spans)
-    if not (whole and [start for start, _ in spans] == [0] + [end for _, end in spans[:-1]]):
-        return [_tensor_rows_checksum([payload[start:end][None]], fold_bytes) for start, end in spans]
-    device = payload.device
-    if payload.storage_offset() % _WORD.itemsize:
-        payload = payload.clone()  # words start where the bytes do
-    folds = payload[:spans[-1][1] if spans else 0].view(torch.int64).view(-1, words)
-    owner = torch.repeat_interleave(torch.arange(len(spans), device=device),
-                                    torch.tensor([(end - start) // fold_bytes for start, end in spans], device=device))
-    sums = torch.zeros(len(spans), words, dtype=torch.int64, device=device).index_add_(0, owner, folds)
-    host = sums.cpu().numpy().view(_WORD)
-    return [_checksum_of(host[i] if end > start else None, b"", end - start) for i, (start, end) in enumerate(spans)]
-
-
 def _chain(crc: int, checksum: int) -> int:
     """The end checksum so far, `crc`, followed by one more chunk's. A CRC of the chunks' checksums rather than of
     the payload again: each byte is checksummed once on either side."""
@@ -611,6 +592,19 @@ def _device_pieces(request_id: str, flat: torch.Tensor, unit: int, fold: int, wa
     yield KvEnd(request_id, len(spans), crc), None
 
 
+def _device_fold_sums(parts: list[torch.Tensor], fold_bytes: int) -> torch.Tensor | None:
+    """The folds' column sums of 1-D byte tensors on a device, one after another (as int64, whose two's-complement
+    sums wrap as uint64's do), read back into pinned host memory without waiting: valid once the current stream's
+    work up to here is done. None where a part is no whole number of folds or does not start on a word."""
+    words, word = fold_bytes // _WORD.itemsize, _WORD.itemsize
+    if not all(part.numel() % fold_bytes == 0 and part.storage_offset() % word == 0 for part in parts):
+        return None
+    sums = sum(part.view(torch.int64).view(-1, words).sum(dim=0) for part in parts)
+    host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+    host.copy_(sums, non_blocking=True)
+    return host
+
+
 class _StagedChunk:
     """A chunk on its way from a device's cache into a pinned host buffer, queued on `copier`: its folds' sums
     taken on the device and read back with it (where its parts are whole folds; else summed before, waiting)."""
@@ -618,15 +612,9 @@ class _StagedChunk:
     def __init__(self, parts: list[torch.Tensor], buffer: torch.Tensor, fold_bytes: int, copier):
         self.size = sum(part.numel() for part in parts)
         self.host, self.fold_bytes = buffer[:self.size], fold_bytes
-        words, word = fold_bytes // _WORD.itemsize, _WORD.itemsize
-        whole = all(part.numel() % fold_bytes == 0 and part.storage_offset() % word == 0 for part in parts)
         with torch.cuda.stream(copier):
-            self.checksum = None if whole else rows_checksum([part[None] for part in parts], fold_bytes)
-            self.sums = None
-            if whole:  # int64: two's-complement sums wrap as uint64's do
-                sums = sum(part.view(torch.int64).view(-1, words).sum(dim=0) for part in parts)
-                self.sums = torch.empty(words, dtype=torch.int64, pin_memory=True)
-                self.sums.copy_(sums, non_blocking=True)
+            self.sums = _device_fold_sums(parts, fold_bytes)
+            self.checksum = rows_checksum([part[None] for part in parts], fold_bytes) if self.sums is None else None
             at = 0
             for part in parts:
                 self.host[at:at + part.numel()].copy_(part, non_blocking=True)
@@ -639,8 +627,39 @@ class _StagedChunk:
         self.copied.synchronize()
         checksum = self.checksum
         if checksum is None:
-            checksum = _checksum_of(self.sums.numpy().view(_WORD) if self.size else None, b"", self.size)
+            checksum = _checksum_of(self.sums.numpy().view(_WORD), b"", self.size)
         return ChunkData([memoryview(self.host.numpy())], self.fold_bytes, checksum)
+
+
+class _Crossing:
+    """A chunk on its way from host staging (`host`, pinned) into its reserved blocks on a device (`parts`, views
+    of the cache's bytes), queued on `copier`, its folds' sums then taken there from the blocks and read back with
+    it (where its runs are whole folds; else summed on the host, from staging): what landed is what is checked."""
+
+    def __init__(self, index: int, host: torch.Tensor, parts: list[torch.Tensor], fold_bytes: int, checksum: int,
+                 copier):
+        self.index, self.expected, self.size = index, checksum, host.numel()
+        with torch.cuda.stream(copier):
+            at = 0
+            for part in parts:
+                part.copy_(host[at:at + part.numel()], non_blocking=True)
+                at += part.numel()
+            self.sums = _device_fold_sums(parts, fold_bytes)
+            self.done = torch.cuda.Event()
+            self.done.record(copier)
+        self.got = chunk_checksum(host.numpy(), fold_bytes) if self.sums is None else None
+
+    def checksum(self) -> int:
+        """The checksum of what landed in the blocks, once it has (waits for it)."""
+        self.done.synchronize()
+        return self.got if self.got is not None else _checksum_of(self.sums.numpy().view(_WORD), b"", self.size)
+
+
+def _give_back(copier, buffers: list[torch.Tensor]) -> None:
+    """A receiver's host buffers back to the pool, once no copy queued on its stream reads them any more."""
+    if copier is not None:
+        copier.synchronize()
+    _staging.give_all(buffers)
 
 
 class _BufferPool:
@@ -782,10 +801,12 @@ class KvReceiver:
     them as they come. Into a cache on the CPU (`kv_cache`, `in_place`) each chunk lands in its reserved
     blocks, is checked there and counts once its checksum holds: until `Engine.finish_import` marks them computed
     nothing reads those blocks, and a transfer that fails gives them back as they are (a failed chunk's bytes in
-    them too), with no prefix-cache entry naming them. Into a device's cache (or with none) the payload waits in
-    host staging (`payload`, pinned where CUDA is) until `apply` puts it there in one copy; a device's cache has
-    its chunks checked there, as `apply` puts them in, and one that fails then raises before any block is written
-    (`checked_on_device`), where a host's are checked as they come. It touches no engine
+    them too), with no prefix-cache entry naming them. Into a device's cache (`checked_on_device`) each chunk lands in
+    pinned host staging (`payload`) and, once in, crosses into its reserved blocks on a stream of the receiver's own
+    (a DMA per run of blocks), where it is summed: `apply` waits for the last and compares, so the engine's thread
+    and stream do no copy of it, and a chunk that fails leaves the blocks as the failed CPU transfer does. With no
+    cache (or one not contiguous) the payload waits in staging until `apply` puts it there in one copy, each chunk
+    checked as it comes. It touches no engine
     state, so a transport may feed it off the engine's thread; `cancel`, from any thread, ends its writes into the
     cache before the blocks are given back. Its host buffers go back to a pool for later transfers when the receiver
     is dropped: `payload` is valid as long as the receiver is referenced. A transport that reads a chunk's head
@@ -804,12 +825,18 @@ class KvReceiver:
         self.in_place = bool(self.total_bytes) and kv_cache is not None and kv_cache.device.type == "cpu" \
             and kv_cache.is_contiguous()  # as every executor's is
         self.payload: torch.Tensor | None = None  # staged (not in place): the bytes received, in payload order
-        # staged for a device's cache: each chunk is checked there, all at once, as `apply` puts the payload in
-        # (the host only stages the bytes); its (start, end, checksum) until then
-        self.checked_on_device = kv_cache is not None and kv_cache.device.type != "cpu"
-        self._unchecked: list[tuple[int, int, int]] = []
+        # a device's cache: each chunk crosses into its blocks as it comes and is checked there (`_Crossing`)
+        self.checked_on_device = bool(self.total_bytes) and kv_cache is not None and kv_cache.device.type != "cpu" \
+            and kv_cache.is_contiguous()
+        self._crossings: list[_Crossing] = []
+        self._copier = None
+        if self.checked_on_device:
+            self._device_bytes = _cache_bytes(kv_cache)
+            self._copier = torch.cuda.Stream(kv_cache.device)
+            # after what the engine's stream queued with those blocks (it reads no reserved block meanwhile)
+            self._copier.wait_stream(torch.cuda.current_stream(kv_cache.device))
         self._buffers: list[torch.Tensor] = []  # host buffers taken from `_staging`, given back when it goes
-        weakref.finalize(self, _staging.give_all, self._buffers).atexit = False
+        weakref.finalize(self, _give_back, self._copier, self._buffers).atexit = False
         if self.in_place:  # the cache's bytes, flat: a view
             self._cache_bytes = memoryview(_cache_bytes(kv_cache).numpy())
         elif self.total_bytes:
@@ -891,7 +918,7 @@ class KvReceiver:
                 raise KvTransferError(f"request {self.request_id!r}: chunk {index} landed {data.filled} of its "
                                       f"{data.nbytes} bytes")
             if self.checked_on_device:
-                self._unchecked.append((self._received, end, chunk.checksum))
+                self._cross(index, end, chunk.checksum)
             else:
                 self._check(index, data.checksum(), chunk.checksum)
         elif self.in_place:  # checked as it came, then written into its blocks while it is still cached
@@ -910,11 +937,22 @@ class KvReceiver:
 
     def _staged(self, index: int, end: int, staged, checksum: int) -> None:
         """A chunk's bytes in staging, `self._received .. end`: checked now on the host, or for a device's cache
-        kept for the check on the device."""
+        sent on into its blocks, checked there."""
         if self.checked_on_device:
-            self._unchecked.append((self._received, end, checksum))
+            self._cross(index, end, checksum)
         else:
             self._check(index, chunk_checksum(staged, self.handoff.layout.fold_bytes), checksum)
+
+    def _cross(self, index: int, end: int, checksum: int) -> None:
+        """Queues the staged bytes `self._received .. end` into their blocks on the device, and their sums there."""
+        layout = self.handoff.layout
+        with self._writing:
+            if self._cancelled:
+                raise KvTransferError(f"request {self.request_id!r}: the import was cancelled")
+            parts = [self._device_bytes[offset:offset + size]
+                     for offset, size in _block_spans(layout.block_bytes, self._pulled, self._received, end)]
+            self._crossings.append(_Crossing(index, self.payload[self._received:end], parts, layout.fold_bytes,
+                                             checksum, self._copier))
 
     def _check(self, index: int, got: int, checksum: int) -> None:
         if got != checksum:
@@ -930,26 +968,24 @@ class KvReceiver:
         self.complete = True
 
     def apply(self) -> None:
-        """Puts a complete transfer's bytes into the reserved blocks of `kv_cache`: in place they are there already;
-        staged, they go in one indexed copy (`write_blocks`: on a device one DMA of the pinned payload, every chunk
-        checked there, then a copy on the device). KvTransferError, nothing written, when the transfer is not
-        complete or a chunk fails its checksum on the device."""
+        """Puts a complete transfer's bytes into the reserved blocks of `kv_cache`: in place, or on a device, they
+        are there already (on a device once their copies are done: it waits for them and checks what landed);
+        staged for a host's cache, they go in one indexed copy (`write_blocks`). KvTransferError, nothing marked,
+        when the transfer is not complete or a chunk fails its checksum on the device."""
         if not self.complete:
             raise KvTransferError(f"request {self.request_id!r}: the KV transfer is not complete")
-        if self.total_bytes and not self.in_place:
+        if self.checked_on_device:
+            for crossing in self._crossings:
+                self._check(crossing.index, crossing.checksum(), crossing.expected)
+        elif self.total_bytes and not self.in_place:
             if self.kv_cache is None:
                 raise KvTransferError(f"request {self.request_id!r}: no KV cache to put its payload in")
-            payload = self.payload
-            if self.checked_on_device:  # across in one DMA, checked there before any block is written
-                payload = payload.to(self.kv_cache.device)
-                spans = [(start, end) for start, end, _ in self._unchecked]
-                sums = payload_checksums(payload, spans, self.handoff.layout.fold_bytes)
-                for index, (got, (_, _, checksum)) in enumerate(zip(sums, self._unchecked)):
-                    self._check(index, got, checksum)
-            write_blocks(self.kv_cache, self._pulled, payload)
+            write_blocks(self.kv_cache, self._pulled, self.payload)
 
     def cancel(self) -> None:
         """Ends the transfer here, from any thread: once this returns no chunk is written into the cache any more,
         and any frame received after it is refused, so its blocks may be given back."""
         with self._writing:
             self._cancelled = True
+        if self._copier is not None:  # what was queued lands before the blocks go back
+            self._copier.synchronize()
