@@ -121,7 +121,7 @@ VIEWS = ("cumulative", "mean_tpot", "max_gap")  # SimResult.tier_attainment's vi
 EXPERIMENTS = ("matrix", "autoscaled", "speed", "calibration", "scan", "pd")
 PD_LINK = "nvlink"  # the PD experiment's KV link (scheduler/transfer.py)
 # PD mode: the routers compared, each with its engine policy as in the matrix, and the prefill shares of the fleet
-# each is searched at (a static split, the best per policy of these and of one more between its best and the better
+# each is searched at (a static split, the best per policy of these and of those between its best and each
 # neighbour, as DistServe sizes its split offline; a step beyond the grid while the best is at its edge): a grid of
 # PD_SHARE_STEP around the fluid bound's split (`pd_shares`), which lies near every router's best on the
 # conversation trace and far above the middle on the prompt-heavy code trace
@@ -1049,38 +1049,36 @@ def _best_split(goodput_by_split: dict[int, float]) -> int:
     return max(goodput_by_split, key=lambda split: (goodput_by_split[split], -split))
 
 
-def pd_refined_split(goodput_by_split: dict[int, float]) -> int | None:
-    """The split halfway between the best of a router's searched splits and the better of its neighbours (the
-    one neighbour at an edge of the grid), where the two are more than one instance apart; else None."""
+def pd_refined_splits(goodput_by_split: dict[int, float]) -> list[int]:
+    """The splits halfway between the best of a router's searched splits and each of its neighbours (the one
+    neighbour at an edge of the grid), where the two are more than one instance apart. Both sides: goodput against
+    the split need not fall evenly about its peak, which can lie toward the worse neighbour (bench/RESULTS.md)."""
     splits = sorted(goodput_by_split)
     k = splits.index(_best_split(goodput_by_split))
     neighbours = [splits[i] for i in (k - 1, k + 1) if 0 <= i < len(splits)]
-    if not neighbours:
-        return None
-    other = max(neighbours, key=lambda split: goodput_by_split[split])
-    return (splits[k] + other) // 2 if abs(other - splits[k]) > 1 else None
+    return [(splits[k] + other) // 2 for other in neighbours if abs(other - splits[k]) > 1]
 
 
-def pd_extended_split(goodput_by_split: dict[int, float], num_instances: int) -> int | None:
+def pd_extended_splits(goodput_by_split: dict[int, float], num_instances: int) -> list[int]:
     """The next split beyond the grid's edge, one grid step on, where a router's best searched split is at that edge
-    and the fleet leaves room (at least one instance of each kind); else None. A prompt-heavy workload's best split
+    and the fleet leaves room (at least one instance of each kind); else none. A prompt-heavy workload's best split
     can lie outside any fixed grid of shares."""
     splits = sorted(goodput_by_split)
     best = _best_split(goodput_by_split)
     step = max(1, round(PD_SHARE_STEP * num_instances))
     if len(splits) > 1 and best == splits[-1] and best < num_instances - 1:
-        return min(num_instances - 1, best + step)
+        return [min(num_instances - 1, best + step)]
     if len(splits) > 1 and best == splits[0] and best > 1:
-        return max(1, best - step)
-    return None
+        return [max(1, best - step)]
+    return []
 
 
 def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
     """Goodput (headline rule) in PD mode of each of PD_POLICIES at its best split, beside co-located PolyServe
     and mixed-deadline-admission on as many instances, at each of `plan.pd_fleets` (each in the matrix's window for
     its size), printed. A router's splits: `pd_shares` of the fleet, then a step further each time its best is
-    at the edge of those searched (`pd_extended_split`), then the one `pd_refined_split` finds between the best of
-    these and its better neighbour."""
+    at the edge of those searched (`pd_extended_splits`), then those `pd_refined_splits` finds between the best of
+    these and each of its neighbours."""
     bound = setup.bound()
     pd_bound = setup.bound(disaggregated=True)
     shares = pd_shares(pd_bound.prefill_share)
@@ -1102,22 +1100,22 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
             return {s["prefill_instances"]: s["goodput"] for s in searches
                     if s["num_instances"] == n and s["policy"] == policy and s["prefill_instances"]}
 
-        def more(choose: Callable[[int, str], int | None]) -> list[dict]:
+        def more(choose: Callable[[int, str], list[int]]) -> list[dict]:
             added = [search(n, policy, split) for n in plan.pd_fleets for policy in PD_POLICIES
-                     if (split := choose(n, policy)) is not None]
+                     for split in choose(n, policy)]
             progress.total += len(added)
             progress.refresh()
             return progress_file.run(pool, added, progress)
 
-        while extended := more(lambda n, policy: pd_extended_split(goodput_by_split(n, policy), n)):
+        while extended := more(lambda n, policy: pd_extended_splits(goodput_by_split(n, policy), n)):
             searches += extended
-        searches += more(lambda n, policy: pd_refined_split(goodput_by_split(n, policy)))
+        searches += more(lambda n, policy: pd_refined_splits(goodput_by_split(n, policy)))
     print(f"\nPD disaggregation, {setup.workload.name}, KV over {PD_LINK} (headline goodput, req/s: every tier >= 90 % "
           f"attaining; window {', '.join(f'{plan.cell_window_s(n):g} s at {n}' for n in plan.pd_fleets)} after "
           f"{setup.warmup_s:.0f} s; the best static split of "
           f"{', '.join(f'{x:g}' for x in shares)} of the fleet prefilling (around the PD bound's "
           f"{pd_bound.prefill_share:.3f}), of those a step on while a router's best is at the edge, and of the one "
-          f"halfway from its best to its better neighbour):")
+          f"halfway from its best to each neighbour):")
     rows = []
     for n in plan.pd_fleets:
         cell = [s for s in searches if s["num_instances"] == n]

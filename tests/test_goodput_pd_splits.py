@@ -1,9 +1,9 @@
-"""The PD experiment: its splits (a grid of prefill shares, then one split between each router's best and its better
-neighbour), and its runs, one per workload of the matrix with its own progress."""
+"""The PD experiment: its splits (a grid of prefill shares, then the splits between each router's best and each of
+its neighbours), and its runs, one per workload of the matrix with its own progress."""
 import math
 
 from bench import goodput
-from bench.goodput import pd_extended_split, pd_refined_split, pd_shares, pd_splits
+from bench.goodput import pd_extended_splits, pd_refined_splits, pd_shares, pd_splits
 from cluster.sim.workload import workload_spec
 
 
@@ -21,13 +21,14 @@ def test_the_grid_lies_around_the_fluid_split_rounded_to_its_step():
     assert pd_splits(16, pd_shares(0.2)) == [1, 2, 3, 4, 5]
 
 
-def test_the_refined_split_lies_between_the_best_and_its_better_neighbour():
-    assert pd_refined_split({24: 1.0, 28: 5.0, 32: 4.0, 36: 2.0}) == 30
-    assert pd_refined_split({24: 1.0, 28: 4.0, 32: 4.5, 36: 5.0, 40: 1.0}) == 34
-    assert pd_refined_split({24: 9.0, 28: 3.0, 32: 1.0}) == 26  # the best at an edge: its one neighbour
-    assert pd_refined_split({28: 4.0, 32: 6.0, 36: 6.0}) == 34  # tied best: the fewer prefill, toward the other
-    assert pd_refined_split({3: 1.0, 4: 2.0, 5: 1.0}) is None  # neighbours one instance apart: nothing between
-    assert pd_refined_split({4: 2.0}) is None
+def test_the_refined_splits_lie_between_the_best_and_each_neighbour():
+    assert pd_refined_splits({24: 1.0, 28: 5.0, 32: 4.0, 36: 2.0}) == [26, 30]
+    # the worse neighbour's side too: PolyServe-PD's peak at 64 lay between its best (32) and its worse neighbour
+    assert pd_refined_splits({24: 1101.6, 28: 1252.1, 32: 1483.4, 36: 1288.0, 40: 1078.0}) == [30, 34]
+    assert pd_refined_splits({24: 9.0, 28: 3.0, 32: 1.0}) == [26]  # the best at an edge: its one neighbour
+    assert pd_refined_splits({28: 4.0, 32: 6.0, 36: 6.0}) == [30, 34]  # tied best: the fewer prefill
+    assert pd_refined_splits({3: 1.0, 4: 2.0, 6: 1.0}) == [5]  # one instance apart on one side: nothing between
+    assert pd_refined_splits({3: 1.0, 4: 2.0, 5: 1.0}) == [] and pd_refined_splits({4: 2.0}) == []
 
 
 def _pd_run(workload: str, ours: float, theirs: float, co_located: float) -> dict:
@@ -62,10 +63,10 @@ def test_a_printed_ratio_is_rounded_down():
 
 
 def test_a_best_split_at_the_grids_edge_is_followed_a_step_beyond_it():
-    assert pd_extended_split({3: 1.0, 4: 2.0, 5: 3.0}, 8) == 6  # rising to the top: one more prefill instance
-    assert pd_extended_split({24: 1.0, 28: 2.0, 32: 3.0, 36: 4.0, 40: 5.0}, 64) == 44  # a grid step at 64
-    assert pd_extended_split({5: 1.0, 6: 2.0, 7: 3.0}, 8) is None  # one decode instance left: no room
-    assert pd_extended_split({24: 5.0, 28: 4.0, 32: 3.0}, 64) == 20  # falling: fewer prefill
-    assert pd_extended_split({1: 5.0, 2: 4.0}, 8) is None
-    assert pd_extended_split({24: 1.0, 28: 5.0, 32: 2.0}, 64) is None  # the best inside the searched splits
-    assert pd_extended_split({4: 2.0}, 8) is None  # one split alone has no direction
+    assert pd_extended_splits({3: 1.0, 4: 2.0, 5: 3.0}, 8) == [6]  # rising to the top: one more prefill instance
+    assert pd_extended_splits({24: 1.0, 28: 2.0, 32: 3.0, 36: 4.0, 40: 5.0}, 64) == [44]  # a grid step at 64
+    assert pd_extended_splits({5: 1.0, 6: 2.0, 7: 3.0}, 8) == []  # one decode instance left: no room
+    assert pd_extended_splits({24: 5.0, 28: 4.0, 32: 3.0}, 64) == [20]  # falling: fewer prefill
+    assert pd_extended_splits({1: 5.0, 2: 4.0}, 8) == []
+    assert pd_extended_splits({24: 1.0, 28: 5.0, 32: 2.0}, 64) == []  # the best inside the searched splits
+    assert pd_extended_splits({4: 2.0}, 8) == []  # one split alone has no direction
