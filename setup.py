@@ -122,7 +122,7 @@ def torch_extensions():
 if __name__ == "__main__":  # pip and `python setup.py` run it as the main module; the tests import its functions
     host = Pybind11Extension(
         "engine._C",
-        sources=["csrc/block_manager.cpp", "csrc/bindings.cpp"],
+        sources=["csrc/block_manager.cpp", "csrc/fold_sums.cpp", "csrc/bindings.cpp"],
         cxx_std=17,
         extra_compile_args=["-O3"],
     )

@@ -1,9 +1,10 @@
-// engine._C: the host-side hot path (block manager and batch builder) for the Python engine.
+// engine._C: the host-side hot path (block manager, batch builder, KV checksum sums) for the Python engine.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "block_manager.h"
+#include "fold_sums.h"
 
 namespace py = pybind11;
 using polyserve::BatchMetadata;
@@ -34,10 +35,38 @@ const int64_t* checked_1d(const IndexArray& array, const char* name, py::ssize_t
     return array.data();
 }
 
+// The one-dimensional, contiguous bytes of a buffer; ValueError naming `what` when they are not.
+py::buffer_info contiguous_bytes(const py::buffer& buffer, bool writable, const char* what) {
+    py::buffer_info info = buffer.request(writable);
+    py::ssize_t expected = info.itemsize;
+    for (py::ssize_t axis = info.ndim - 1; axis >= 0; --axis) {
+        if (info.shape[axis] > 1 && info.strides[axis] != expected)
+            throw py::value_error(std::string("add_fold_sums: ") + what + " is not contiguous");
+        expected *= info.shape[axis];
+    }
+    return info;
+}
+
+void add_fold_sums(const py::buffer& data, const py::buffer& sums) {
+    const py::buffer_info words = contiguous_bytes(data, false, "data");
+    const py::buffer_info columns = contiguous_bytes(sums, true, "sums");
+    if (columns.itemsize != sizeof(uint64_t) || columns.ndim != 1 || columns.size == 0)
+        throw py::value_error("add_fold_sums: sums must be a non-empty 1-D array of 64-bit words");
+    const auto nbytes = static_cast<size_t>(words.size * words.itemsize);
+    const auto row_bytes = static_cast<size_t>(columns.size) * sizeof(uint64_t);
+    if (nbytes % row_bytes)
+        throw py::value_error("add_fold_sums: " + std::to_string(nbytes) + " bytes are no whole number of " +
+                              std::to_string(row_bytes) + "-byte folds");
+    py::gil_scoped_release unlocked;  // the buffers stay exported until `words` and `columns` go
+    polyserve::add_fold_sums(static_cast<const unsigned char*>(words.ptr), nbytes / row_bytes,
+                             static_cast<size_t>(columns.size), static_cast<uint64_t*>(columns.ptr));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "PolyServe host hot path: paged-KV block manager with prefix caching, per-step batch metadata";
+    m.doc() = "PolyServe host hot path: paged-KV block manager with prefix caching, per-step batch metadata, the "
+              "column sums of a KV chunk's checksum";
 
     py::register_exception_translator([](std::exception_ptr p) {
         try {
@@ -93,4 +122,9 @@ PYBIND11_MODULE(_C, m) {
             },
             py::arg("seq_ids"), py::arg("num_computed"), py::arg("num_new"))
         .def("check_invariants", &BlockManager::check_invariants);
+
+    m.def("add_fold_sums", &add_fold_sums, py::arg("data"), py::arg("sums"),
+          "Adds the 64-bit little-endian words of `data` (contiguous bytes, a whole number of rows of len(sums) "
+          "words) into `sums` (a writable, contiguous uint64 array) column by column, modulo 2**64, without the "
+          "GIL.");
 }

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine._C import add_fold_sums
 from engine.kv_transfer import CHUNK_TRAILER_BYTES, ChunkLanding, FoldSums, Handoff, KvBegin, KvChunk, KvEnd, \
     KvImportRefused, KvLayout, KvReceiver, KvTransferError, chunk_checksum, chunk_trailer, decode_chunk_head, \
     decode_chunk_trailer, decode_frame, encode_chunk_head, encode_frame, read_blocks, rows_checksum, stream_blocks, \
@@ -172,6 +173,31 @@ def test_the_chunk_checksum_sees_every_flipped_byte_and_a_changed_length(fold):
     assert chunk_checksum(zeros, fold) != chunk_checksum(zeros[:4096], fold)  # the length counts
     with pytest.raises(ValueError, match="fold_bytes must be a positive multiple of 8"):
         chunk_checksum(data, 12)
+
+
+def test_the_fold_sums_are_numpys_column_sums_of_the_words_modulo_2_64():
+    """`add_fold_sums` (the C++ sums under every checksum) against numpy's column sums of the same words: any
+    number of rows (not only fours), words that wrap, data at any alignment; bad buffers named, the sums untouched."""
+    rng = np.random.default_rng(5)
+    for rows, width in ((0, 4), (1, 1), (3, 16), (4, 512), (9, 512), (13, 7)):
+        raw = rng.integers(0, 256, 1 + rows * width * 8, dtype=np.uint8)
+        raw[1:1 + 8 * width] = 0xFF  # a first row of all ones: its words wrap every column's sum
+        for data in (raw[1:], raw[:-1]):  # one of them starts off a word's alignment
+            start = rng.integers(0, 2**64, width, dtype=np.uint64)
+            sums = start.copy()
+            add_fold_sums(memoryview(data), sums)
+            expected = (start + data.copy().view(np.uint64).reshape(rows, width).sum(axis=0, dtype=np.uint64))
+            np.testing.assert_array_equal(sums, expected)
+    sums = np.zeros(4, dtype=np.uint64)
+    with pytest.raises(ValueError, match="add_fold_sums: 40 bytes are no whole number of 32-byte folds"):
+        add_fold_sums(bytes(40), sums)
+    with pytest.raises(ValueError, match="add_fold_sums: data is not contiguous"):
+        add_fold_sums(np.ones(128, dtype=np.uint8)[::2], sums)
+    with pytest.raises(ValueError, match="sums must be a non-empty 1-D array of 64-bit words"):
+        add_fold_sums(bytes(32), np.zeros(8, dtype=np.uint32))
+    with pytest.raises((BufferError, ValueError), match="writable|read-only|readonly"):
+        add_fold_sums(bytes(32), memoryview(bytes(32)).cast("Q"))
+    assert not sums.any()
 
 
 def test_the_checksum_over_rows_where_they_lie_is_that_of_their_bytes_joined():
