@@ -319,7 +319,7 @@ class FoldSums:
 def rows_checksum(rows: list[np.ndarray] | list[torch.Tensor], fold_bytes: int) -> int:
     """`chunk_checksum` of the bytes of `rows` one after another, each a 2-D byte array whose rows are each one run
     of bytes (equally spaced blocks of a cache, a view of them): when every row is whole folds, the folds' sums are
-    taken where the rows lie, with one numpy reduction per array, not a copy; else over a joined copy. Tensors (a
+    taken where the rows lie, a row at a time (`FoldSums`), not a copy; else over a joined copy. Tensors (a
     device's cache) are summed where they lie, on their device (`_tensor_rows_checksum`)."""
     if rows and isinstance(rows[0], torch.Tensor):
         return _tensor_rows_checksum(rows, fold_bytes)
@@ -327,12 +327,11 @@ def rows_checksum(rows: list[np.ndarray] | list[torch.Tensor], fold_bytes: int) 
         return chunk_checksum(rows[0], fold_bytes)
     if any(part.shape[1] % fold_bytes for part in rows):
         return chunk_checksum(np.concatenate([part.reshape(-1) for part in rows]), fold_bytes)
-    words = fold_bytes // _WORD.itemsize
-    sums = np.zeros(words, dtype=_WORD)
+    sums = FoldSums(fold_bytes)
     for part in rows:
-        sums += part.view(_WORD).reshape(len(part), -1, words).sum(axis=(0, 1), dtype=_WORD)
-    size = sum(part.size for part in rows)
-    return _checksum_of(sums if size else None, b"", size)
+        for row in part:
+            sums.add(row)
+    return sums.checksum()
 
 
 def _tensor_rows_checksum(rows: list[torch.Tensor], fold_bytes: int) -> int:
