@@ -284,10 +284,10 @@ def chunk_checksum(data: bytes | bytearray | memoryview | np.ndarray, fold_bytes
         raise ValueError(f"fold_bytes must be a positive multiple of {_WORD.itemsize}, got {fold_bytes}")
     raw = np.frombuffer(data, dtype=np.uint8)
     body = len(raw) - len(raw) % fold_bytes
-    sums = np.zeros(fold_bytes // _WORD.itemsize, dtype=_WORD) if body else None
+    sums = FoldSums(fold_bytes)
     if body:
-        add_fold_sums(raw[:body], sums)
-    return _checksum_of(sums, raw[body:], len(raw))
+        sums.add(raw[:body])
+    return sums.checksum(raw[body:])
 
 
 def _checksum_of(sums, tail, size: int) -> int:
@@ -306,14 +306,14 @@ class FoldSums:
         self.sums = np.zeros(fold_bytes // _WORD.itemsize, dtype=_WORD)
         self.size = 0
 
-    def add(self, buffer: memoryview) -> None:
+    def add(self, buffer: memoryview | np.ndarray) -> None:
         """ValueError for a buffer that is no whole number of folds."""
         add_fold_sums(buffer, self.sums)
         self.size += buffer.nbytes
 
-    def checksum(self) -> int:
-        """`chunk_checksum` of the bytes added so far."""
-        return _checksum_of(self.sums if self.size else None, b"", self.size)
+    def checksum(self, tail: np.ndarray | bytes = b"") -> int:
+        """`chunk_checksum` of the bytes added so far, then of `tail` (fewer bytes than a fold)."""
+        return _checksum_of(self.sums if self.size else None, tail, self.size + len(tail))
 
 
 def rows_checksum(rows: list[np.ndarray] | list[torch.Tensor], fold_bytes: int) -> int:
