@@ -183,7 +183,7 @@ class Router:
         self._last_shed = [-math.inf] * len(tiers)  # per tier: when it last shed a request
         self.fleet = Fleet(len(tiers))
         # one queue per tier under every policy: "least-loaded-admission" ignores tiers in placement only, and
-        # waiting as PolyServe's requests wait (the same bound per tier, retried tightest tier first, each tier in
+        # waiting as PolyServe's requests wait (the same bound per tier, retried soonest due first, each tier in
         # arrival order) keeps a comparison of the two about placement; a head that fits nowhere holds back its own
         # tier only, not every request behind it
         self.queues: list[deque[RoutedRequest]] = [deque() for _ in tiers]
@@ -442,31 +442,50 @@ class Router:
         return True
 
     def retry_queued(self, now: float) -> list[Placement]:
-        """Heads of the queues, tightest tier first, each queue in order until its head fits nowhere."""
+        """Heads of the queues, the one due soonest (its first token, a hand-off's next) first, each queue in order
+        until its head fits nowhere. Not the tightest tier first: where the tiers share the room that frees (a
+        decode pool of one or two instances), a looser tier's head would wait behind every tighter arrival until its
+        own deadline passed, though its slack was the longer. A late head is due as the placement test dates it
+        (`_as_placed`: from now)."""
         placements = []
-        for queue in self.queues:
-            while queue:
-                req = queue[0]
-                if not req.late:
-                    req.late = not self._on_time_possible(req, now)
-                    if req.late and self.shed_late and not req.placed_before:
-                        queue.popleft()
-                        del self.requests[req.request_id]
-                        self.shed.append(req)
-                        self._last_shed[req.tier_index] = now
-                        self.costly[req.tier_index].lost()
-                        self._log(now, "shed", req.request_id, None, req.tier_index)
-                        continue
+        blocked: set[int] = set()  # tiers whose head fits nowhere now
+        while True:
+            heads = [(self._as_placed(req, now, req.late)[0].first_token_due, tier)
+                     for tier in range(len(self.queues)) if tier not in blocked
+                     for req in [self._queue_head(tier, now)] if req is not None]
+            if not heads:
+                return placements
+            tier = min(heads)[1]
+            req = self.queues[tier][0]
+            placed = self._place(req, now)
+            if placed is None and self._take_from_loosest(tier, now):
                 placed = self._place(req, now)
-                if placed is None and self._take_from_loosest(req.tier_index, now):
-                    placed = self._place(req, now)
-                if placed is None:
-                    break
-                queue.popleft()
-                view, how, decode = placed
-                self._apply(req, view, how, now, decode)
-                placements.append(Placement(req, view.instance_id, how))
-        return placements
+            if placed is None:
+                blocked.add(tier)
+                continue
+            self.queues[tier].popleft()
+            view, how, decode = placed
+            self._apply(req, view, how, now, decode)
+            placements.append(Placement(req, view.instance_id, how))
+
+    def _queue_head(self, tier: int, now: float) -> RoutedRequest | None:
+        """The head of `tier`'s queue, marked late once its first token can no longer be on time; with `shed_late`,
+        such heads never placed before are given up first."""
+        queue = self.queues[tier]
+        while queue:
+            req = queue[0]
+            if not req.late:
+                req.late = not self._on_time_possible(req, now)
+                if req.late and self.shed_late and not req.placed_before:
+                    queue.popleft()
+                    del self.requests[req.request_id]
+                    self.shed.append(req)
+                    self._last_shed[tier] = now
+                    self.costly[tier].lost()
+                    self._log(now, "shed", req.request_id, None, tier)
+                    continue
+            return req
+        return None
 
     def take_shed(self) -> list[RoutedRequest]:
         """The queued requests given up since the last call: their first token could no longer be on time."""

@@ -663,12 +663,25 @@ def test_least_loaded_admission_queues_per_tier_and_places_when_capacity_frees()
     assert router.retry_queued(0.5) == []  # nothing freed: every head stays
     router.on_finished("r1", 100, 1.0)  # leaves "b"
     out = router.retry_queued(1.0)
-    # the tighter tier first: t1 takes the room b had; q1 then fits nowhere
+    # both late by now, the one due sooner first: t1 takes the room b had; q1 then fits nowhere
     assert [(p.request.request_id, p.instance_id, p.how) for p in out] == [("t1", "b", How.BASELINE)]
     router.on_finished("r0", 100, 2.0)  # leaves "a"
     out = router.retry_queued(2.0)
     assert [(p.request.request_id, p.instance_id) for p in out] == [("q1", "a")]
     assert router.queue_length(STD) == 1 and out[0].request.late  # its 1 s TTFT passed while it waited
+
+
+def test_the_queued_head_due_soonest_takes_freed_room_whatever_its_tier():
+    router = make_router("least-loaded-admission", shed_late=False)
+    ready(router, "a")
+    assert [router.submit(request(f"r{i}", STD), 0.0).instance_id for i in range(3)] == ["a"] * 3  # full
+    assert router.submit(request("q", STD), 0.0).outcome is Outcome.QUEUED  # first token due at 1.0 s
+    assert router.submit(request("t", TIGHT, arrival=0.8), 0.8).outcome is Outcome.QUEUED  # due at 1.3 s
+    router.on_finished("r0", 100, 0.9)
+    out = router.retry_queued(0.9)
+    # the looser tier's head is due sooner: it takes the room, and the tight one waits, still on time
+    assert [(p.request.request_id, p.instance_id) for p in out] == [("q", "a")]
+    assert router.queue_length(TIGHT) == 1 and not router.requests["t"].late
 
 
 def test_lmetric_takes_the_smallest_product_of_new_prefill_and_batch_size():
