@@ -448,25 +448,32 @@ class Router:
         own deadline passed, though its slack was the longer. A late head is due as the placement test dates it
         (`_as_placed`: from now)."""
         placements = []
-        blocked: set[int] = set()  # tiers whose head fits nowhere now
-        while True:
-            heads = [(self._as_placed(req, now, req.late)[0].first_token_due, tier)
-                     for tier in range(len(self.queues)) if tier not in blocked
-                     for req in [self._queue_head(tier, now)] if req is not None]
-            if not heads:
-                return placements
-            tier = min(heads)[1]
+        due: dict[int, float] = {}  # by tier, its head's; a head's depends on it and `now` alone, not on placements
+        for tier in range(len(self.queues)):
+            self._date_head(tier, now, due)
+        while due:
+            tier = min(due, key=lambda k: (due[k], k))
             req = self.queues[tier][0]
             placed = self._place(req, now)
             if placed is None and self._take_from_loosest(tier, now):
                 placed = self._place(req, now)
             if placed is None:
-                blocked.add(tier)
+                del due[tier]  # fits nowhere now
                 continue
             self.queues[tier].popleft()
             view, how, decode = placed
             self._apply(req, view, how, now, decode)
             placements.append(Placement(req, view.instance_id, how))
+            self._date_head(tier, now, due)
+        return placements
+
+    def _date_head(self, tier: int, now: float, due: dict[int, float]) -> None:
+        """Sets `due[tier]` to when `tier`'s head is due as placed now, or drops it where the queue is empty."""
+        req = self._queue_head(tier, now)
+        if req is None:
+            due.pop(tier, None)
+        else:
+            due[tier] = self._as_placed(req, now, req.late)[0].first_token_due
 
     def _queue_head(self, tier: int, now: float) -> RoutedRequest | None:
         """The head of `tier`'s queue, marked late once its first token can no longer be on time; with `shed_late`,
