@@ -53,7 +53,7 @@ from engine.config import ROLES
 from scheduler.attainability import Attainability, AttainabilityChecker
 from scheduler.costly import CostlyShare, FleetPressure
 from scheduler.instance_state import InstanceState, RequestSnapshot
-from scheduler.headroom import DEFAULT_TARGET, Headroom
+from scheduler.headroom import DEFAULT_TARGET, Headroom, handed_off
 from scheduler.latency_model import LatencyModel
 from scheduler.online_fit import online_latency_model
 from scheduler.output_length import OutputLengthTracker
@@ -366,6 +366,7 @@ class Router:
             self.autoscaler.transfer_bytes.add(now, req.num_prompt_tokens * self.transfer.bytes_per_token)
         self.handoffs.add(req.request_id)
         req.num_computed_tokens, req.num_output_tokens = req.num_prompt_tokens, 1
+        req.standing = handed_off(req.standing)
         decision = self.submit(req, now, readmit=True)
         if decision.outcome is Outcome.NO_INSTANCE:
             self.handoffs.discard(req.request_id)

@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarMask, Grammars, StructuredOutput
 from engine.tokenizer import Detokenizer, Tokenizer
 from scheduler.attainability import AttainabilityChecker
-from scheduler.headroom import Headroom
+from scheduler.headroom import Headroom, handed_off
 from scheduler.latency_model import LearningLatencyModel
 from scheduler.output_length import OutputLengthTracker
 from scheduler.slo import SLO, next_token_deadline
@@ -328,7 +328,7 @@ class Engine:
             req.prompt_logprobs, req.prompt_top_logprobs = list(h.prompt_logprobs), list(h.prompt_top_logprobs)
         req.num_computed_tokens, req.num_cached_tokens = num_prompt, h.num_cached_tokens
         req.num_blocks = self.blocks.num_blocks_of(receiver.seq_id)
-        req.first_scheduled_time, req.standing = h.first_scheduled_time, h.standing
+        req.first_scheduled_time, req.standing = h.first_scheduled_time, handed_off(h.standing)
         req.status = RequestStatus.RUNNING
         self.requests[rid], self.detok[rid] = req, detok
         self.running.append(req)

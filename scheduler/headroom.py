@@ -5,7 +5,8 @@ No latency model is exact on a real fleet: host time, noise and stalls make some
 an instance packed to exactly its predicted TPOT then misses whenever a step runs slow. The owner (the router for
 its placements, an engine for its chunks) plans against `tpot * (1 - margin)` and reports the outcome of every
 request whose first token was on time (a late first token is queueing or prefill, not packing: counting it would
-shrink capacity exactly when load is what misses): a later token late raises the margin by `step`, every token on
+shrink capacity exactly when load is what misses; a handed-off request's first token where it goes is such a first
+token too): a later token late raises the margin by `step`, every token on
 time lowers it by `step * target / (1 - target)`. In
 equilibrium the increases and decreases balance exactly when a share `target` of requests miss, so the margin
 settles at the smallest headroom that holds the miss rate at `target` whatever the error's size: a stochastic
@@ -30,6 +31,13 @@ DEFAULT_TARGET = 0.005
 ON_TIME = 0  # every token so far on time
 LATE_START = 1  # its first token was late: queueing or prefill, not packing; the headroom ignores it
 MISSED = 2  # a later token was late: counted once
+HANDED_OFF = 3  # on time on the instance that handed it off: its next token is its first where it goes, a start
+
+
+def handed_off(standing: int) -> int:
+    """The standing a request takes to the instance its KV is handed to: its first token there waited on the
+    prefill, the transfer and a queue, as a first token does, so a late one is a late start, not packing."""
+    return HANDED_OFF if standing == ON_TIME else standing
 
 
 def check_headroom_target(target: float) -> None:
@@ -73,6 +81,8 @@ class Headroom:
     def note_token(self, standing: int, first: bool, late: bool, weight: float = 1.0) -> int:
         """A request in `standing` emitted a token (its `first`), on time or `late`: counts a miss of packing the
         first time one shows, and answers the request's new standing."""
+        if standing == HANDED_OFF:
+            standing, first = ON_TIME, True
         if standing != ON_TIME or not late:
             return standing
         if first:

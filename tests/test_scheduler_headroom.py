@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from scheduler.headroom import Headroom
+from scheduler.headroom import HANDED_OFF, LATE_START, MISSED, ON_TIME, Headroom, handed_off
 
 
 def test_misses_raise_and_attainments_lower_the_margin_within_bounds():
@@ -32,6 +32,16 @@ def test_settles_at_the_margin_whose_miss_rate_is_the_target():
             misses.append(missed)
     assert sum(misses) / len(misses) == pytest.approx(0.01, abs=0.002)
     assert h.margin == pytest.approx(0.198, abs=0.004)
+
+
+def test_a_late_first_token_is_a_late_start_and_so_is_a_handed_off_requests_first_token_where_it_goes():
+    h = Headroom()
+    assert h.note_token(ON_TIME, True, True) == LATE_START and h.num_missed == 0
+    assert h.note_token(ON_TIME, False, True) == MISSED and h.num_missed == 1
+    assert handed_off(ON_TIME) == HANDED_OFF and handed_off(LATE_START) == LATE_START
+    assert h.note_token(HANDED_OFF, False, True) == LATE_START and h.num_missed == 1
+    on_time = h.note_token(HANDED_OFF, False, False)
+    assert on_time == ON_TIME and h.note_token(on_time, False, True) == MISSED and h.num_missed == 2
 
 
 @pytest.mark.parametrize("kwargs", [dict(target=0.0), dict(target=1.0), dict(step=0.0), dict(step=0.6),

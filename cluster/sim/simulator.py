@@ -46,7 +46,7 @@ from cluster.sim.instance import IDLE, MissTally, SimInstance, SimRequest
 from scheduler.transfer import LINKS, transfer_model
 from cluster.sim.workload import REFUSED, Workload
 from scheduler.costly import check_costly_share
-from scheduler.headroom import DEFAULT_TARGET, Headroom, check_headroom_target
+from scheduler.headroom import DEFAULT_TARGET, Headroom, check_headroom_target, handed_off
 from scheduler.latency_model import LatencyModel
 from scheduler.online_fit import online_latency_model
 from scheduler.policy import BATCH_POLICIES, make_batch_policy
@@ -452,6 +452,7 @@ class Simulator:
         """The KV arrived: the prefill instance frees its blocks, and the request joins the decode instance."""
         self._transfers -= 1
         self._free_prefill_blocks(sreq, now)
+        sreq.standing = handed_off(sreq.standing)
         decode.enqueue(sreq, now)
 
     def _free_prefill_blocks(self, sreq: SimRequest, now: float) -> None:
