@@ -16,6 +16,7 @@ from engine.kv_transfer import CHUNK_TRAILER_BYTES, ChunkLanding, FoldSums, Hand
     KvImportRefused, KvLayout, KvReceiver, KvTransferError, chunk_checksum, chunk_trailer, decode_chunk_head, \
     decode_chunk_trailer, decode_frame, encode_chunk_head, encode_frame, read_blocks, rows_checksum, stream_blocks, \
     write_blocks
+from scheduler.headroom import HANDED_OFF
 from scheduler.slo import SLO
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -137,7 +138,8 @@ def test_the_decode_side_decodes_from_the_imported_kv(llama_tiny):
     for frame in wire(stream_blocks("tampered", negated, pair.prefill.kv_layout,
                                     list(pair.prefill.blocks.block_table(held.seq_id)), 0)):
         receiver.receive(frame)
-    pair.decode.finish_import(receiver)
+    # its first token was on time: the decode engine reads the next, its first there, as a start (not packing)
+    assert pair.decode.finish_import(receiver).standing == HANDED_OFF
     pair.prefill.release_handoff("tampered")
     tampered = run(pair.decode)["tampered"][-1].token_ids
     assert tampered[0] == honest[0] and tampered != honest
