@@ -366,7 +366,6 @@ class Router:
             self.autoscaler.transfer_bytes.add(now, req.num_prompt_tokens * self.transfer.bytes_per_token)
         self.handoffs.add(req.request_id)
         req.num_computed_tokens, req.num_output_tokens = req.num_prompt_tokens, 1
-        req.standing = handed_off(req.standing)
         decision = self.submit(req, now, readmit=True)
         if decision.outcome is Outcome.NO_INSTANCE:
             self.handoffs.discard(req.request_id)
@@ -810,6 +809,10 @@ class Router:
         self._take(view, how, req.tier_index, now)
         if req.request_id not in self.handoffs:  # a hand-off's prompt is computed there by its import
             req.num_computed_tokens = req.num_output_tokens = 0
+        elif now + self._transfer_s(req) > req.first_token_due:
+            # its KV lands after the first token's deadline, from when the test promises the next token a TPOT:
+            # what it waited on was the prefill or a queue, so its next token is a start, not a test of packing
+            req.standing = handed_off(req.standing)
         view.residents[req.request_id] = req
         view.summary.add(req)
         for sample in req.companions:

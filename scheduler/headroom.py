@@ -36,7 +36,9 @@ HANDED_OFF = 3  # on time on the instance that handed it off: its next token is 
 
 def handed_off(standing: int) -> int:
     """The standing a request takes to the instance its KV is handed to: its first token there waited on the
-    prefill, the transfer and a queue, as a first token does, so a late one is a late start, not packing."""
+    prefill, the transfer and a queue, as a first token does, so a late one is a late start, not packing. (The
+    router, whose test promises that token to a hand-off whose KV lands by its first token's deadline, gives this
+    standing only to one that lands later.)"""
     return HANDED_OFF if standing == ON_TIME else standing
 
 

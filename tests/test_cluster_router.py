@@ -490,27 +490,27 @@ def test_headroom_counts_late_tokens_after_an_on_time_first_one():
     assert headroom.num_attained == 1 and headroom.margin < headroom.step
 
 
-def test_a_hand_offs_first_token_on_its_decode_instance_is_a_start_not_packing():
-    """The token after a hand-off's first is the decode instance's first: late, it waited on the prefill, the
-    transfer and the queue, and the request is a late start; one late after it is a miss of packing."""
+def test_a_hand_off_landing_after_its_first_tokens_deadline_starts_there_late_not_missed_by_packing():
+    """The test promises a hand-off's next token one TPOT after its first token's deadline to one whose KV lands
+    by then: late, that one is a miss of packing. One placed later waited on the prefill or a queue: its next
+    token is a start, and late, the request is a late start, never counted."""
     router = make_router()
     for iid, role in (("p", "prefill"), ("d", "decode")):
         router.add_instance(iid, 0.0)
         router.set_role(iid, role)
         router.on_ready(iid, CAPACITY, 0.0)
     headroom = router.headroom[STD]
-    slow, prompt = request("slow", STD), request("prompt", STD)
-    for req in (slow, prompt):  # std: first token within 1 s, then one per 50 ms
-        assert router.hand_off(req, 0.9).instance_id == "d"
+    landed, late = request("landed", STD), request("late", STD)  # std: first token within 1 s, then one per 50 ms
+    assert router.hand_off(landed, 0.9).instance_id == "d"
+    assert router.hand_off(late, 1.02).instance_id == "d"
 
     def report(t, outputs):
         router.on_report("d", InstanceReport(t, 0, [Resident(r.request_id, 1000, 1000 + n - 1, n)
                                                     for r, n in outputs]), t)
 
-    report(1.0, [(prompt, 2)])  # token 2 was due at 1.05 s
-    report(1.2, [(slow, 2), (prompt, 3)])  # the hand-off's token 2 late; the other's token 3, due at 1.1 s, too
+    report(1.2, [(landed, 2), (late, 2)])  # token 2 was due at 1.05 s
     assert headroom.num_missed == 1 and headroom.margin == pytest.approx(headroom.step)
-    report(1.4, [(slow, 3), (prompt, 4)])
+    report(1.4, [(landed, 3), (late, 3)])
     assert headroom.num_missed == 1
 
 
