@@ -6,11 +6,11 @@ an instance packed to exactly its predicted TPOT then misses whenever a step run
 its placements, an engine for its chunks) plans against `tpot * (1 - margin)` and reports the outcome of every
 request whose first token was on time (a late first token is queueing or prefill, not packing: counting it would
 shrink capacity exactly when load is what misses; a handed-off request's first token where it goes is such a first
-token too): a later token late raises the margin by `step`, every token on
-time lowers it by `step * target / (1 - target)`. In
-equilibrium the increases and decreases balance exactly when a share `target` of requests miss, so the margin
-settles at the smallest headroom that holds the miss rate at `target` whatever the error's size: a stochastic
-approximation of the quantile the error calls for (Robbins-Monro), with no constant fitted to a workload.
+token too): a later token late raises the margin by `step`, every token on time lowers it by
+`step * target / (1 - target)`. In equilibrium the increases and decreases balance exactly when a share `target` of
+requests miss, so the margin settles at the smallest headroom that holds the miss rate at `target` whatever the
+error's size: a stochastic approximation of the quantile the error calls for (Robbins-Monro), with no constant fitted
+to a workload.
 
 An outcome shows only a request's life after the placement it judges, so the loop reacts late; the more outcomes
 reach one margin per second, the further it overshoots in that time. An owner that pools the outcomes of many
