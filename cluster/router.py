@@ -644,11 +644,11 @@ class Router:
         """The first instance of `tiers` (scanned in order) that attains `req`; `spare_growing`: never a looser
         tier's least-loaded instance while it has others (see `_convertible`); `where(view, its TPOT budget in ms)`:
         only instances it holds true of."""
-        fits, members, queues, own = self._fits, self.fleet.members, self.queues, req.tier_index
+        fits, members, own = self._fits, self.fleet.members, req.tier_index
         ready = InstanceStatus.READY
         for tier in tiers:
-            if tier != own and queues[tier]:
-                continue  # a tier whose own requests wait for room lends none to other tiers'
+            if tier != own and self._withholds(tier, req):
+                continue
             how = How.OWN if tier == own else How.PROMOTED if tier < own else How.DEMOTED
             # demoted: the least loaded first, whose batch the request's tighter pace cuts least
             views = sorted(members[tier], key=_load, reverse=self.gradient and how is not How.DEMOTED)
@@ -686,11 +686,11 @@ class Router:
         and goes elsewhere when that comes sooner: they spread, and re-prefill side by side."""
         own = req.tier_index
         before_scale_up, after_scale_up = self._tier_orders[own]
-        candidates = self._members_of(before_scale_up, own)  # (view, how, budget ms)
+        candidates = self._members_of(before_scale_up, req)  # (view, how, budget ms)
         if self.autoscaler is None or self.autoscaler.can_join(self.fleet, own):
             tpot, budget = self._tier_tpot_ms[own], self._budget_ms(own)
             candidates += [(v, How.SCALED_UP, budget) for v in self.fleet.idle if v.tightest_resident_tpot_ms() >= tpot]
-        candidates += self._members_of(after_scale_up, own)
+        candidates += self._members_of(after_scale_up, req)
         best = None
         for view, how, budget in candidates:
             if view.status is not InstanceStatus.READY or not self._fits(view, budget, req, snap, now, early):
@@ -700,15 +700,23 @@ class Router:
                 best = (first, view, how)
         return None if best is None else best[1:]
 
-    def _members_of(self, tiers: tuple[int, ...], own: int) -> list[tuple[InstanceView, How, float]]:
-        """The instances of `tiers` that a request of tier `own` may go on (as `_place_in` scans them), each with
-        how it would go there and the TPOT budget it would be held to."""
-        out = []
+    def _members_of(self, tiers: tuple[int, ...], req: RoutedRequest) -> list[tuple[InstanceView, How, float]]:
+        """The instances of `tiers` that `req` may go on (as `_place_in` scans them), each with how it would go
+        there and the TPOT budget it would be held to."""
+        out, own = [], req.tier_index
         for tier in tiers:
-            if tier == own or not self.queues[tier]:
+            if tier == own or not self._withholds(tier, req):
                 how = How.OWN if tier == own else How.PROMOTED if tier < own else How.DEMOTED
                 out += [(view, how, self._budget_ms(self._held_tier(view, own))) for view in self.fleet.members[tier]]
         return out
+
+    def _withholds(self, tier: int, req: RoutedRequest) -> bool:
+        """Does `tier` keep its instances from `req`, a request of another tier? It lends none while its own
+        requests wait for room; but to a hand-off, only while hand-offs wait in it (they wait at the front of its
+        queue): a hand-off's prompt is computed and its next token due a TPOT after its first, so it goes before
+        the prompts a tier's queue holds for the prefill pool or a place of their own."""
+        queue = self.queues[tier]
+        return bool(queue) and (req.request_id not in self.handoffs or queue[0].request_id in self.handoffs)
 
     def _least_loaded_attaining(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
                                 now: float) -> InstanceView | None:

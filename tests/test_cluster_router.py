@@ -514,6 +514,27 @@ def test_a_hand_off_landing_after_its_first_tokens_deadline_starts_there_late_no
     assert headroom.num_missed == 1
 
 
+def test_a_tier_whose_prompts_wait_lends_its_decode_instance_to_other_tiers_hand_offs_but_not_past_its_own():
+    """A tier whose requests wait lends its instances to no other tier's request; but a hand-off (its prompt
+    computed, its next token due a TPOT after its first) goes before the prompts a tier's queue holds, so only the
+    tier's own waiting hand-offs keep it out."""
+    router = make_router()
+    for iid, role, capacity in (("p", "prefill", 2000), ("d", "decode", CAPACITY)):
+        router.add_instance(iid, 0.0)
+        router.set_role(iid, role)
+        router.on_ready(iid, capacity, 0.0)
+    assert router.hand_off(request("tight-0", TIGHT), 0.0).how is How.SCALED_UP  # d joins the tight tier
+    # a tight prompt the prefill instance cannot hold, nor the decode instance beside its resident: it waits
+    assert router.submit(request("tight-prompt", TIGHT, prompt=3000), 0.0).outcome is Outcome.QUEUED
+    placed = router.hand_off(request("std-0", STD), 0.0)
+    assert (placed.instance_id, placed.how) == ("d", How.PROMOTED)
+    # a tight hand-off that finds no room waits at the front of its tier's queue: now the tier lends d to no other
+    assert router.hand_off(request("tight-1", TIGHT, prompt=3000), 0.0).outcome is Outcome.QUEUED
+    assert router.queues[TIGHT][0].request_id == "tight-1"
+    assert router.hand_off(request("std-1", STD), 0.0).outcome is Outcome.QUEUED
+    assert residents(router, "d") == 2
+
+
 def test_first_tokens_of_requests_placed_on_time_feed_their_tier_first_token_margin():
     router = make_router()
     ready(router, "a")
