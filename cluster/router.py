@@ -712,9 +712,9 @@ class Router:
 
     def _withholds(self, tier: int, req: RoutedRequest) -> bool:
         """Does `tier` keep its instances from `req`, a request of another tier? It lends none while its own
-        requests wait for room; but to a hand-off, only while hand-offs wait in it (they wait at the front of its
-        queue): a hand-off's prompt is computed and its next token due a TPOT after its first, so it goes before
-        the prompts a tier's queue holds for the prefill pool or a place of their own."""
+        requests wait for room; but to a hand-off, only while a hand-off heads its queue (requests placed again wait
+        at the front): a hand-off's prompt is computed and its next token due a TPOT after its first, so it goes
+        before the prompts a tier's queue holds for the prefill pool or a place of their own."""
         queue = self.queues[tier]
         return bool(queue) and (req.request_id not in self.handoffs or queue[0].request_id in self.handoffs)
 
