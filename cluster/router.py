@@ -57,6 +57,7 @@ from scheduler.headroom import DEFAULT_TARGET, Headroom, handed_off
 from scheduler.latency_model import LatencyModel
 from scheduler.online_fit import online_latency_model
 from scheduler.output_length import OutputLengthTracker
+from scheduler.tier_flow import TierFlow
 from scheduler.tiers import TierSet
 from scheduler.transfer import TransferModel
 from scheduler.types import StepStats
@@ -203,6 +204,15 @@ class Router:
         # prompt computed, its first token out) counts it in that instance's batch and KV until it hands off
         self.reserved: dict[str, InstanceView] = {}
         self.transfer = transfer
+        # moving a draining tier's residents (`_drain_into`): each tier's arrivals and completions; the residents
+        # chosen to leave their instance, by that instance, their new place held (`_reserve`) until the caller
+        # says they left it (`moved`); the moves not yet taken by the caller; hand-offs of moved requests not yet
+        # placed; when each waiting tier last looked for a drain
+        self.flows = [TierFlow() for _ in tiers]
+        self.leaving: dict[str, str] = {}
+        self.migrations: list[tuple[str, str]] = []
+        self.moving: set[str] = set()
+        self._last_drain = [-math.inf] * len(tiers)
 
     # ---- instances -------------------------------------------------------------------------------------------
     def add_instance(self, instance_id: str, now: float) -> None:
@@ -293,6 +303,7 @@ class Router:
                 del self.reserved[req.request_id]
             else:
                 leaving.append(req)
+                self.leaving.pop(req.request_id, None)
                 self._unreserve(req.request_id, now)
         return leaving
 
@@ -310,6 +321,7 @@ class Router:
                 if r.request_id in self.requests:
                     raise ValueError(f"request {r.request_id!r} is already placed or queued")
             self.costly[req.tier_index].arrived(req.num_prompt_tokens)
+            self.flows[req.tier_index].arrived(now)
         if readmit and not req.late:
             # a resumed stream's first token from here is not its first: it has no TTFT of its own to keep
             req.late = req.resumed_tokens > 0 or not self._on_time_possible(req, now)
@@ -357,19 +369,43 @@ class Router:
         `tier` may refuse for cost what it has left of its allowance (`CostlyShare.refuse`)."""
         return now - max(self._last_shed[:tier], default=-math.inf) < self._expected_stay_s(tier)
 
-    def hand_off(self, req: RoutedRequest, now: float, *, retry: bool = False) -> Decision:
-        """A request a prefill instance ran to its first token (and left: `on_finished`), to be placed on a decode
-        instance with its prompt computed there by the import; placed, queued at the head of its queue, or refused
-        as `submit` readmits a request. Its prompt's KV joins the autoscaler's transfer byte rate once: a `retry`,
-        the same hand-off placed anew after a decode instance refused or failed its import, adds nothing."""
+    def hand_off(self, req: RoutedRequest, now: float, *, retry: bool = False, num_output_tokens: int = 1) -> Decision:
+        """A request a prefill instance ran to its first token, or one that left its instance to be moved with
+        `num_output_tokens` out (`moved`), to be placed with its KV imported (left already: `on_finished`):
+        placed, queued at the head of its queue, or refused as `submit` readmits a request. Its KV joins the
+        autoscaler's transfer byte rate once: a `retry`, the same hand-off placed anew after an instance refused or
+        failed its import, adds nothing."""
+        if num_output_tokens < 1:
+            raise ValueError(f"a hand-off has its first token out, got {num_output_tokens} output tokens")
+        tokens = req.num_prompt_tokens + num_output_tokens - 1  # the KV it brings: its last token is computed there
         if not retry and self.autoscaler is not None and self.transfer is not None:
-            self.autoscaler.transfer_bytes.add(now, req.num_prompt_tokens * self.transfer.bytes_per_token)
+            self.autoscaler.transfer_bytes.add(now, tokens * self.transfer.bytes_per_token)
         self.handoffs.add(req.request_id)
-        req.num_computed_tokens, req.num_output_tokens = req.num_prompt_tokens, 1
+        req.num_computed_tokens, req.num_output_tokens = tokens, num_output_tokens
         decision = self.submit(req, now, readmit=True)
         if decision.outcome is Outcome.NO_INSTANCE:
             self.handoffs.discard(req.request_id)
         return decision
+
+    def moved(self, request_id: str, num_output_tokens: int, now: float) -> Decision:
+        """A resident the router chose to move (`take_migrations`) left its instance with `num_output_tokens` out,
+        its KV held there for the pull: placed as a hand-off, its own tier's instances tried first (where its new
+        place was held), then as any hand-off. KeyError for a request the router did not choose to move."""
+        if request_id not in self.leaving:
+            raise KeyError(f"request {request_id!r} was not chosen to move")
+        req = self.requests[request_id]
+        self.on_finished(request_id, num_output_tokens, now, completed=False)
+        self.moving.add(request_id)
+        decision = self.hand_off(req, now, num_output_tokens=num_output_tokens)
+        if decision.outcome is not Outcome.QUEUED:
+            self.moving.discard(request_id)
+        return decision
+
+    def take_migrations(self) -> list[tuple[str, str]]:
+        """The residents chosen to move since the last call, each with the instance it leaves: the caller has that
+        instance let go of it between steps, its KV held for the pull, and then says so (`moved`)."""
+        migrations, self.migrations = self.migrations, []
+        return migrations
 
     def on_report(self, instance_id: str, report: InstanceReport, now: float) -> None:
         if self.autoscaler is not None and self.roles.get(instance_id) == "decode":
@@ -420,9 +456,13 @@ class Router:
         """Left its instance (finished, aborted, failed); a `completed` one's output joins its tier's mean."""
         req = self.requests.pop(request_id, None)
         self.handoffs.discard(request_id)
+        self.moving.discard(request_id)
+        self.leaving.pop(request_id, None)
         self._unreserve(request_id, now)
         if req is None:
             return
+        if completed:
+            self.flows[req.tier_index].completed(now)
         view = self.fleet.instances.get(req.instance_id) if req.instance_id is not None else None
         if completed:
             self.output_lengths.observe(req.tier, num_output_tokens)
@@ -439,6 +479,7 @@ class Router:
         self.queues[req.tier_index].remove(req)
         del self.requests[request_id]
         self.handoffs.discard(request_id)
+        self.moving.discard(request_id)
         return True
 
     def retry_queued(self, now: float) -> list[Placement]:
@@ -458,6 +499,7 @@ class Router:
             if placed is None and self._take_from_loosest(tier, now):
                 placed = self._place(req, now)
             if placed is None:
+                self._drain_into(tier, now)
                 del due[tier]  # fits nowhere now
                 continue
             self.queues[tier].popleft()
@@ -518,6 +560,10 @@ class Router:
         if self.policy == "least-loaded-admission":
             view = self._least_loaded_attaining(req, snap, early, now)
             return None if view is None else (view, How.BASELINE, None)
+        if req.request_id in self.moving:
+            placed = self._place_in((req.tier_index,), req, snap, early, now)
+            if placed is not None:
+                return (*placed, None)
         if self.fleet.prefill and req.request_id not in self.handoffs:
             if not req.resumed_tokens:
                 # whole where its tier's steps have time to spare: the prompt runs in that time, and the prefill
@@ -592,12 +638,12 @@ class Router:
 
     def _as_placed(self, req: RoutedRequest, now: float, late: bool) -> tuple[RequestSnapshot, float]:
         """`req` as the test sees it, and the time its placement starts from: a `late` request dated then; a
-        hand-off from when its KV arrives, its next token (the one the test calls first) due one TPOT after its
-        first token's deadline."""
+        hand-off from when its KV arrives, its next token (the one the test calls first) due as its cumulative
+        deadline has it, one TPOT after its first token's deadline for each token out."""
         if req.request_id not in self.handoffs:
             return req.snapshot(now if late else req.arrival), now
         arrives = now + self._transfer_s(req)
-        return req.snapshot(arrives if late else req.arrival + req.tpot_s), arrives
+        return req.snapshot(arrives if late else req.arrival + req.num_output_tokens * req.tpot_s), arrives
 
     @property
     def prefill_seconds_per_token(self) -> float:
@@ -624,7 +670,11 @@ class Router:
                                                 max(1, capacity // context)) for tier, n in held.items()) / residents
 
     def _transfer_s(self, req: RoutedRequest) -> float:
-        return self.transfer.seconds(req.num_prompt_tokens) if self.transfer is not None else 0.0
+        """Its KV's time on the link: its prompt's, and for a resident that moves, its output's but the last
+        token."""
+        if self.transfer is None:
+            return 0.0
+        return self.transfer.seconds(req.num_prompt_tokens + max(0, req.num_output_tokens - 1))
 
     def _least_queued_prefill(self, req: RoutedRequest, snap: RequestSnapshot, early: float,
                               now: float) -> tuple[InstanceView, How] | None:
@@ -812,6 +862,7 @@ class Router:
 
     def _apply(self, req: RoutedRequest, view: InstanceView, how: How, now: float,
                decode: tuple[InstanceView, How] | None = None) -> None:
+        self.moving.discard(req.request_id)
         if decode is not None:
             self._reserve(req, *decode, now)
         self._take(view, how, req.tier_index, now)
@@ -829,24 +880,27 @@ class Router:
             sample.instance_id = view.instance_id
             sample.placed_before = True
             view.residents_per_tier[sample.tier_index] += 1
-            view.kv_tokens += sample.num_prompt_tokens
+            view.kv_tokens += sample.num_prompt_tokens + sample.num_output_tokens
             self.requests[sample.request_id] = sample
             self._log(now, how.value, sample.request_id, view.instance_id, sample.tier_index)
         req.companions = ()  # placed, each is a request of its own: lost, each is placed again alone
         self._update_load(view)
 
     def _reserve(self, req: RoutedRequest, view: InstanceView, how: How, now: float) -> None:
-        """Hold `req`'s place on the decode instance `view` while its prompt runs on a prefill instance: a stand-in
-        resident (prompt computed, first token out) until it leaves the prefill instance (`_unreserve`), so that the
-        prompts in flight count in the decode pool's batches and KV, and the next placement sees the room they
-        will take."""
+        """Hold `req`'s place on `view` until it leaves the instance it is on (`_unreserve`): a prompt's on a
+        decode instance while a prefill instance runs it, a moving resident's where it goes. A stand-in resident
+        there, as it will arrive (its prompt computed, its first token or its output so far out), so that the
+        requests in flight count in the batches and KV they go to, and the next placement sees the room they will
+        take."""
         self._take(view, how, req.tier_index, now)
+        out = max(1, req.num_output_tokens)
         stand_in = RoutedRequest(req.request_id, req.tier_index, req.tier, req.slo, req.arrival,
-                                 req.num_prompt_tokens, req.max_tokens, view.instance_id, req.num_prompt_tokens, 1)
+                                 req.num_prompt_tokens, req.max_tokens, view.instance_id,
+                                 req.num_prompt_tokens + out - 1, out)
         view.residents[req.request_id] = stand_in
         view.summary.add(stand_in)
         view.residents_per_tier[req.tier_index] += 1
-        view.kv_tokens += req.num_prompt_tokens + 1
+        view.kv_tokens += req.num_prompt_tokens + out
         self.reserved[req.request_id] = view
         self._update_load(view)
 
@@ -920,6 +974,65 @@ class Router:
                 self._log(now, "retiered", None, view.instance_id, tier)
                 return True
         return False
+
+    def _drain_into(self, tier: int, now: float) -> None:
+        """`tier`'s head fits nowhere, no instance is idle and none of its own is past its budget: a looser tier
+        that drains (its completions outrun its arrivals: `TierFlow`) and holds two or more instances, its own
+        requests not waiting, gives its least-loaded one to `tier`, and that instance's residents of looser tiers
+        are moved to their own tiers' other instances where the test attains them as hand-offs (their KV over the
+        link, their next token due at its cumulative deadline), the furthest along first, their places held there
+        (`_reserve`) until they leave (`moved`). Until that instance is within `tier`'s budget, `tier` moves more
+        of them as room appears rather than take another. At most once per `tier`'s TPOT (the room a step frees).
+
+        Without it, a tier whose share fell keeps its instances for as long as its residents stay (a loose tier's
+        for many seconds), while the tier whose share rose waits for room; by demotion onto such an instance it
+        would hold the whole batch to its pace, which that batch cannot keep until it is almost empty. Moving them
+        onto their own tier's other instances keeps their pace and frees the instance."""
+        members = self.fleet.members
+        tpot_s = self._tier_tpot_ms[tier] / 1000.0
+        if self.policy != "polyserve" or not members[tier] or self.fleet.idle or now - self._last_drain[tier] < tpot_s:
+            return
+        self._last_drain[tier] = now
+        budget_s = self._budget_ms(tier) / 1000.0
+        over = [v for v in members[tier] if v.load > budget_s]
+        source = next((v for v in over if any(k > tier for k in v.residents_per_tier)), None)
+        if source is None:
+            if over:
+                return
+            source = self._draining_instance(tier, now)
+            if source is None:
+                return
+            self._unlabel(source)
+            self._join(source, tier, now)
+            self._log(now, "retiered", None, source.instance_id, tier)
+        for req in sorted(source.residents.values(), key=lambda r: r.num_output_tokens, reverse=True):
+            rid = req.request_id
+            if req.tier_index <= tier or rid in self.reserved or rid in self.leaving or req.num_output_tokens < 1:
+                continue
+            arrives = now + self._transfer_s(req)
+            snap = req.snapshot(req.arrival + req.num_output_tokens * req.tpot_s)
+            early = self.first_token_headroom[req.tier_index].margin * req.slo.ttft_ms / 1000.0
+            placed = self._place_in((req.tier_index,), req, snap, early, arrives)
+            if placed is None:
+                continue
+            self._reserve(req, *placed, now)
+            self.leaving[rid] = source.instance_id
+            self.migrations.append((rid, source.instance_id))
+            self._log(now, "moving", rid, source.instance_id, req.tier_index)
+
+    def _draining_instance(self, tier: int, now: float) -> InstanceView | None:
+        """The least-loaded serving instance of the loosest tier looser than `tier` that drains, holds two or more
+        and has none of its requests waiting (its floor allowing its release)."""
+        members, autoscaler = self.fleet.members, self.autoscaler
+        ready = InstanceStatus.READY
+        for looser in range(len(members) - 1, tier, -1):
+            if self.queues[looser] or len(members[looser]) < 2 or not self.flows[looser].draining(now) or \
+                    (autoscaler is not None and not autoscaler.can_release(self.fleet, looser)):
+                continue
+            view = min((v for v in members[looser] if v.status is ready), key=_load, default=None)
+            if view is not None:
+                return view
+        return None
 
     def _maybe_release(self, tier: int, now: float) -> None:
         members = self.fleet.members[tier]

@@ -1126,3 +1126,45 @@ def test_a_looser_tier_spends_its_spare_while_a_tighter_tier_sheds_and_its_late_
     seen = 301
     assert fresh.costly[STD].spare_share() == pytest.approx(
         0.1 - math.sqrt(0.1 * 0.9 / seen) - 1 / seen) and before == pytest.approx(0.1 - math.sqrt(0.1 * 0.9 / 300))
+
+
+def test_a_draining_tier_gives_a_waiting_tier_an_instance_and_moves_its_residents_to_its_others():
+    """The mix turned: tight's one instance is full, batch holds two, and batch's completions outrun its arrivals.
+    A tight request that fits nowhere takes batch's least-loaded instance; that one's batch resident is moved (its
+    place held on batch's other instance, the caller told to let it go) and lands there as a hand-off with its output
+    so far; the tight request goes on the instance it leaves. Not while batch takes in as many as it completes."""
+    def fleet() -> Router:
+        router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=16,
+                                                                          idle_pool=0)), demotion=False)
+        ready(router, "t0", "b0", "b1")
+        fill(router, "t0", TIGHT, 3)  # full: a fourth overflows its KV
+        left = fill(router, "b0", BATCH, 3)[0]
+        moving = fill(router, "b1", BATCH, 1)[0]
+        router.on_finished(left.request_id, 0, 0.0, completed=False)  # b0 holds two, b1 one
+        router.on_report("b1", InstanceReport(0.5, 70, [Resident(moving.request_id, 1000, 1049, 50)]), 0.5)
+        return router
+
+    router = fleet()  # batch's arrivals and completions alike (none): nothing moves
+    assert router.submit(request("t", TIGHT, arrival=3.0), 3.0).outcome is Outcome.QUEUED
+    assert router.retry_queued(3.01) == [] and router.take_migrations() == []
+    assert router.fleet["b1"].tier == BATCH and router.counts["retiered"] == 0
+
+    router = fleet()
+    for t in (2.0 + i / 20 for i in range(20)):  # twenty completions of batch in the last second, no arrival
+        router.flows[BATCH].completed(t)
+    assert router.submit(request("t", TIGHT, arrival=3.0), 3.0).outcome is Outcome.QUEUED
+    assert router.retry_queued(3.01) == []
+    assert router.fleet["b1"].tier == TIGHT and router.counts["retiered"] == 1
+    assert router.take_migrations() == [("b1-2-0", "b1")] and router.take_migrations() == []
+    stand_in = router.fleet["b0"].residents["b1-2-0"]  # its place on b0 held, as it will arrive
+    assert (stand_in.num_computed_tokens, stand_in.num_output_tokens) == (1049, 50)
+    # b1 is tight's now, and has room for the tight request beside the batch resident on its way out
+    assert [(p.request.request_id, p.instance_id) for p in router.retry_queued(3.02)] == [("t", "b1")]
+    assert router.take_migrations() == []  # chosen once
+    with pytest.raises(KeyError, match="not chosen"):
+        router.moved("b0-2-0", 10, 3.03)
+    d = router.moved("b1-2-0", 52, 3.03)  # its instance let go of it with 52 tokens out
+    assert (d.outcome, d.instance_id, d.how) == (Outcome.PLACED, "b0", How.OWN)
+    moved = router.fleet["b0"].residents["b1-2-0"]
+    assert (moved.num_computed_tokens, moved.num_output_tokens) == (1051, 52) and "b1-2-0" in router.handoffs
+    assert "b1-2-0" not in router.fleet["b1"].residents and not router.moving and not router.leaving

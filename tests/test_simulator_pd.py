@@ -163,3 +163,28 @@ def test_co_located_mode_ignores_the_transfer_link():
         assert other.tier_attainment() == first.tier_attainment()
         assert other.token_times == first.token_times
         assert other.token_instances == first.token_instances
+
+
+def test_a_draining_tiers_residents_move_mid_stream_without_losing_a_token_or_a_block():
+    """The mix turns from loose to tight half way: the router moves residents of the draining loose tier between
+    instances (co-located, their KV over the link). Each moved stream goes on from the token it stopped at, after
+    its KV's transfer, and ends with its whole output; every block comes back on both sides."""
+    rng = np.random.default_rng(1)
+    arrivals = np.cumsum(rng.exponential(1.0 / 100.0, 1440))
+    arrivals = arrivals[arrivals < 12.0]
+    n = len(arrivals)
+    prompts, outputs = rng.integers(200, 1500, n), rng.integers(50, 400, n)
+    loose = rng.random(n) >= np.where(arrivals < 6.0, 0.1, 0.9)
+    wl = Workload(arrivals, prompts, np.where(loose, 2 * outputs, outputs), loose.astype(np.int8), TIERS)
+    sim, res = run(wl, num_instances=4, num_kv_blocks=6000)
+    moved = [i for i, sources in enumerate(res.token_instances) if len(set(sources)) > 1]
+    assert res.counts["moving"] >= len(moved) >= 1
+    link = transfer_model(SimConfig().transfer)
+    for i in moved:
+        times, sources = res.token_times[i], res.token_instances[i]
+        assert wl.tier_index[i] == 1 and len(times) == wl.output_lens[i] and res.attained[i]
+        k = next(j for j in range(1, len(sources)) if sources[j] != sources[j - 1])
+        assert sources[k:] == [sources[k]] * (len(sources) - k)  # moved once, then stays
+        assert times[k] - times[k - 1] >= link.seconds(int(wl.prompt_lens[i]) + k - 1)
+    for inst in sim.instances.values():
+        assert inst.free_blocks == inst.num_total_blocks and inst.num_residents == 0

@@ -213,6 +213,19 @@ class SimInstance:
         if self.state == IDLE:
             self._set_event(now)  # at `now`, after every other arrival at `now` (the simulator orders them so)
 
+    def let_go(self, req: SimRequest, now: float) -> bool:
+        """A running request leaves for another instance (its blocks stay taken until the caller releases them):
+        a decode run in flight is cut, and the step in flight goes on without it. False when it is not running
+        here."""
+        if req not in self.running:
+            return False
+        if self.state == RUN:
+            self._cut_run(now)
+        self.running.remove(req)
+        self._items = [(r, n) for r, n in self._items if r is not req]
+        self._material = True
+        return True
+
     def reserve_blocks(self, num_blocks: int, now: float) -> bool:
         """Blocks for a request's imported KV, taken now if free (a decode run in flight is cut first: its steps
         were laid out against the blocks free when it started)."""

@@ -387,8 +387,7 @@ class Simulator:
         routed = RoutedRequest(request_id=sreq.request_id, tier_index=tier_index, tier=sreq.tier, slo=sreq.slo,
                                arrival=sreq.arrival, num_prompt_tokens=sreq.num_prompt_tokens,
                                max_tokens=sreq.max_tokens)
-        if self.config.prefill_instances:
-            self._routed[sreq.request_id] = routed
+        self._routed[sreq.request_id] = routed
         self._sync_reports(now)
         decision = self.router.submit(routed, now)
         if decision.outcome is Outcome.PLACED:
@@ -425,7 +424,21 @@ class Simulator:
             self._dispatch(router.retry_queued(now))
 
     def _hand_off(self, sreq: SimRequest, now: float, *, retry: bool = False) -> None:
-        decision = self.router.hand_off(self._routed[sreq.request_id], now, retry=retry)
+        decision = self.router.hand_off(self._routed[sreq.request_id], now, retry=retry,
+                                        num_output_tokens=sreq.num_output_tokens)
+        self._handed(sreq, decision, now)
+
+    def _move(self, request_id: str, instance_id: str, now: float) -> None:
+        """The router chose to move a resident: its instance lets go of it between steps, its KV held there until
+        the pull, and the router places it as a hand-off (one that finished or left meanwhile stays where it is)."""
+        sreq, inst = self._requests_by_id[request_id], self.instances[instance_id]
+        if not inst.let_go(sreq, now):
+            return
+        self._prefilled[request_id] = (inst, sreq.num_blocks)
+        sreq.num_blocks = 0
+        self._handed(sreq, self.router.moved(request_id, sreq.num_output_tokens, now), now)
+
+    def _handed(self, sreq: SimRequest, decision, now: float) -> None:
         if decision.outcome is Outcome.PLACED:
             self._place(sreq, decision.instance_id, now)
         elif decision.outcome is not Outcome.QUEUED:  # no decode instance at all: the stream ends in an error
@@ -435,9 +448,10 @@ class Simulator:
             sreq.count_missed()
 
     def _start_transfer(self, sreq: SimRequest, instance_id: str, now: float) -> None:
-        """Placed on decode instance `instance_id`: it takes the blocks of the prompt's KV, or refuses (then the
-        router hears the request left it, and the hand-off is tried again at the next tick)."""
-        need = -(-sreq.num_prompt_tokens // self.config.block_size)
+        """Placed on instance `instance_id`: it takes the blocks of the computed KV (a prompt's, or a moved
+        resident's prompt and output), or refuses (then the router hears the request left it, and the hand-off is
+        tried again at the next tick)."""
+        need = -(-sreq.num_computed_tokens // self.config.block_size)
         decode = self.instances[instance_id]
         if not decode.reserve_blocks(need, now):
             self.router.on_finished(sreq.request_id, sreq.num_output_tokens, now, completed=False)
@@ -446,7 +460,7 @@ class Simulator:
             return
         sreq.num_blocks = need
         self._transfers += 1
-        self._push(now + self._transfer.seconds(sreq.num_prompt_tokens), TRANSFER_END, (sreq, decode))
+        self._push(now + self._transfer.seconds(sreq.num_computed_tokens), TRANSFER_END, (sreq, decode))
 
     def _import(self, sreq: SimRequest, decode: SimInstance, now: float) -> None:
         """The KV arrived: the prefill instance frees its blocks, and the request joins the decode instance."""
@@ -470,6 +484,8 @@ class Simulator:
             self._unfinished -= 1
             self._rejected.add(sreq.request_id)
             sreq.count_missed()
+        for request_id, instance_id in self.router.take_migrations():
+            self._move(request_id, instance_id, self._now)
 
     def _on_finish(self, inst: SimInstance, finished: list[SimRequest], now: float) -> None:
         self._sync_reports(now)
