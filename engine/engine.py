@@ -28,7 +28,7 @@ from scheduler.headroom import Headroom, handed_off
 from scheduler.latency_model import LearningLatencyModel
 from scheduler.output_length import OutputLengthTracker
 from scheduler.slo import SLO, next_token_deadline
-from scheduler.types import BatchPolicy, KvState, StepStats, is_decode
+from scheduler.types import BatchPolicy, KvState, StepStats, is_decode, is_decoding
 
 StepHook = Callable[[StepStats], None]
 
@@ -223,25 +223,45 @@ class Engine:
 
     # ---- prefill/decode hand-off (engine/kv_transfer.py) ----------------------------------------------------
     def handoff(self, request_id: str) -> Handoff:
-        """The state of a request this prefill engine holds for a hand-off (its output ended "prefilled")."""
+        """The state of a request this engine holds for a hand-off (its output ended "prefilled": a prefill engine's
+        at its first token, or one let go of mid-stream by `hand_over`)."""
         req = self._held(request_id)
         p = req.params
+        logprobs, top = req.output_logprobs, req.output_top_logprobs
         return Handoff(
             req.request_id, req.prompt_token_ids, req.output_token_ids[0], p, req.slo, req.tier, req.arrival,
             req.token_times[0], req.first_scheduled_time, req.num_cached_tokens, req.standing, self.kv_layout,
-            len(self.blocks.block_table(req.seq_id)),
-            first_logprob=req.output_logprobs[0] if req.output_logprobs else None,
-            first_top_logprobs=req.output_top_logprobs[0] if req.output_top_logprobs else None,
+            self._blocks_for(req.num_computed_tokens),
+            first_logprob=logprobs[0] if logprobs else None,
+            first_top_logprobs=top[0] if top else None,
             prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs else None,
-            prompt_top_logprobs=req.prompt_top_logprobs if p.prompt_logprobs else None)
+            prompt_top_logprobs=req.prompt_top_logprobs if p.prompt_logprobs else None,
+            later_tokens=req.output_token_ids[1:], later_times=req.token_times[1:],
+            later_logprobs=logprobs[1:] if logprobs else None, later_top_logprobs=top[1:] if top else None)
+
+    def hand_over(self, request_id: str) -> RequestOutput | None:
+        """A decoding request of this engine (role decode or both) leaves the batch between steps to go on another
+        instance: held with its blocks for the pull, as a prefill engine holds a prompt at its first token, its
+        last output ending "prefilled" with its hand-off. Text held back for a stop string stays held: the other
+        side streams it. None when it is not decoding here (finished, or still in its prompt)."""
+        req = self.requests.get(request_id)
+        if self.role == "prefill" or req is None or req not in self.running or not is_decoding(req):
+            return None
+        self.running.remove(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, "prefilled"
+        self.handoffs[request_id] = req
+        out = self._output(req, [], "")
+        out.handoff = self.handoff(request_id)
+        return out
 
     def export_kv(self, request_id: str, first_block: int = 0,
                   max_chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[KvBegin | KvChunk | KvEnd]:
-        """The frames of a held request's prompt blocks from `first_block` on (what the decode side's receiver
-        asks), read as they are consumed: the blocks stay held until `release_handoff`."""
+        """The frames of a held request's computed blocks from `first_block` on (what the receiving side asks),
+        read as they are consumed: the blocks stay held until `release_handoff`."""
         req = self._held(request_id)
-        return stream_blocks(request_id, self.executor.kv_cache, self.kv_layout,
-                             list(self.blocks.block_table(req.seq_id)), first_block, max_chunk_bytes)
+        blocks = list(self.blocks.block_table(req.seq_id))[:self._blocks_for(req.num_computed_tokens)]
+        return stream_blocks(request_id, self.executor.kv_cache, self.kv_layout, blocks, first_block,
+                             max_chunk_bytes)
 
     def release_handoff(self, request_id: str) -> None:
         """Lets go of a held request once the decode side has its KV, or once no decode side will take it: its
@@ -270,29 +290,35 @@ class Engine:
 
     def can_import(self, handoff: Handoff) -> bool:
         """Whether this engine could reserve the request's blocks now (`reserve_import`), before any transfer."""
-        needed = self._blocks_for(len(handoff.prompt_token_ids) + 1)
-        return self.role == "decode" and needed <= self.blocks.num_free_blocks()
+        needed = self._blocks_for(len(handoff.prompt_token_ids) + len(handoff.output_token_ids))
+        return self.role != "prefill" and needed <= self.blocks.num_free_blocks()
 
     def reserve_import(self, handoff: Handoff) -> KvReceiver:
-        """Reserves the blocks of an exported request, its prompt and first token, and returns the receiver its
+        """Reserves the blocks of an exported request, its prompt and output so far, and returns the receiver its
         KV frames go to (from its `first_block`: the leading blocks this engine's prefix cache holds are taken
         from there). KvImportRefused when the blocks are not free, KvTransferError when this engine cannot take
         it (role, KV layout), InvalidRequestError for a bad request; none of them reserves anything."""
-        if self.role != "decode":
-            raise KvTransferError(f"a {self.role!r} engine imports no KV: only role decode does")
+        if self.role == "prefill":
+            raise KvTransferError("a 'prefill' engine imports no KV: roles decode and both do")
         rid, prompt = handoff.request_id, handoff.prompt_token_ids
         if rid in self.requests or rid in self.imports:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         if handoff.layout != self.kv_layout:
             raise KvTransferError(f"request {rid!r}: KV layout {handoff.layout} does not match this engine's "
                                   f"{self.kv_layout}")
-        ids = self._tokenize([*prompt, handoff.first_token])
+        later = len(handoff.later_tokens)
+        if len(handoff.later_times) != later or any(
+                x is not None and len(x) != later for x in (handoff.later_logprobs, handoff.later_top_logprobs)):
+            raise InvalidRequestError(f"request {rid!r}: {later} later tokens with other counts of times or "
+                                      f"logprobs")
+        ids = self._tokenize([*prompt, *handoff.output_token_ids])
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"request {rid!r} of {len(ids)} tokens has no room to continue in the "
                                       f"context length of {self.max_model_len}")
-        if handoff.num_blocks != self._blocks_for(len(prompt)):
-            raise KvTransferError(f"request {rid!r}: {handoff.num_blocks} blocks cannot hold a prompt of "
-                                  f"{len(prompt)} tokens in blocks of {self.block_size}")
+        computed = len(ids) - 1  # its newest token is computed here
+        if handoff.num_blocks != self._blocks_for(computed):
+            raise KvTransferError(f"request {rid!r}: {handoff.num_blocks} blocks cannot hold {computed} computed "
+                                  f"tokens in blocks of {self.block_size}")
         seq_id = next(self._seq_ids)
         self.blocks.add_sequence(seq_id, ids)
         cached = self.blocks.allocate_cached_prefix(seq_id)
@@ -307,26 +333,28 @@ class Engine:
 
     def finish_import(self, receiver: KvReceiver) -> Request:
         """Applies a complete, verified transfer: the KV goes into the reserved blocks and the request joins the
-        running batch, decoding on from its first token with the sampling state it had (text, seeded generator,
+        running batch, decoding on from its newest token with the sampling state it had (text, seeded generator,
         grammar). KvTransferError, nothing applied, for a transfer that is not complete or no longer reserved."""
         rid, h = receiver.request_id, receiver.handoff
         if self.imports.get(rid) is not receiver:
             raise KvTransferError(f"request {rid!r} has no reservation here (cancelled or applied already)")
         receiver.apply()  # KvTransferError, nothing marked, when the transfer is not complete
-        detok, generator, grammar = self._continuation(h.params, [h.first_token])
-        num_prompt = len(h.prompt_token_ids)
+        outputs = h.output_token_ids
+        detok, generator, grammar = self._continuation(h.params, outputs)
+        computed = len(h.prompt_token_ids) + len(outputs) - 1
         del self.imports[rid]
-        self.blocks.mark_computed(receiver.seq_id, num_prompt)
+        self.blocks.mark_computed(receiver.seq_id, computed)
         req = Request(rid, receiver.seq_id, list(h.prompt_token_ids), h.params, h.arrival, slo=h.slo, tier=h.tier,
                       generator=generator, grammar=grammar)
-        req.append_output(h.first_token, h.first_token_time)
+        for token, t in zip(outputs, [h.first_token_time, *h.later_times]):
+            req.append_output(token, t)
         if h.first_logprob is not None:
-            req.output_logprobs.append(h.first_logprob)
+            req.output_logprobs += [h.first_logprob, *(h.later_logprobs or ())]
         if h.first_top_logprobs is not None:
-            req.output_top_logprobs.append(h.first_top_logprobs)
+            req.output_top_logprobs += [h.first_top_logprobs, *(h.later_top_logprobs or ())]
         if h.prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_top_logprobs = list(h.prompt_logprobs), list(h.prompt_top_logprobs)
-        req.num_computed_tokens, req.num_cached_tokens = num_prompt, h.num_cached_tokens
+        req.num_computed_tokens, req.num_cached_tokens = computed, h.num_cached_tokens
         req.num_blocks = self.blocks.num_blocks_of(receiver.seq_id)
         req.first_scheduled_time, req.standing = h.first_scheduled_time, handed_off(h.standing)
         req.status = RequestStatus.RUNNING

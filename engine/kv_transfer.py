@@ -124,7 +124,9 @@ class KvLayout(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Handoff(_Frame, tag=_tag("kv_handoff")):
-    """Everything a decode engine needs to continue a request but its KV. Times are on the prefill engine's clock."""
+    """Everything an engine needs to continue a request but its KV: one a prefill engine ran to its first token, or
+    one a decode or co-located engine let go of mid-stream to be moved (its output after the first token in the
+    `later_` fields). Times are on the sending engine's clock."""
     request_id: str
     prompt_token_ids: list[int]
     first_token: int
@@ -137,11 +139,19 @@ class Handoff(_Frame, tag=_tag("kv_handoff")):
     num_cached_tokens: int
     standing: int  # the headroom's reading of the request so far (`scheduler.headroom`)
     layout: KvLayout
-    num_blocks: int  # blocks holding the prompt's KV: ceil(prompt tokens / block size)
+    num_blocks: int  # blocks holding its computed KV: the prompt's and every output token's but the newest
     first_logprob: float | None = None
     first_top_logprobs: TopLogprobs | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    later_tokens: list[int] = msgspec.field(default_factory=list)
+    later_times: list[float] = msgspec.field(default_factory=list)
+    later_logprobs: list[float] | None = None
+    later_top_logprobs: list[TopLogprobs] | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [self.first_token, *self.later_tokens]
 
 
 class KvBegin(_Frame, tag=_tag("kv_begin")):

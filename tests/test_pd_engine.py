@@ -384,10 +384,8 @@ def test_roles_and_what_each_refuses(llama_tiny, pair):
     handoff = pair.prefill.handoff("held")
     with pytest.raises(KvTransferError, match="'prefill' engine imports no KV"):
         pair.prefill.reserve_import(handoff)
-    both = LLM(llama_tiny[0], **ENGINE).engine
-    assert not both.can_import(handoff)
-    with pytest.raises(KvTransferError, match="'both' engine imports no KV"):
-        both.reserve_import(handoff)
+    assert pair.prefill.hand_over("held") is None  # held for its hand-off already, not decoding
+    assert LLM(llama_tiny[0], **ENGINE).engine.can_import(handoff)  # a co-located engine takes moved requests
     with pytest.raises(KeyError, match="not held here"):
         pair.prefill.export_kv("nobody")
     receiver = pair.decode.reserve_import(handoff)
@@ -715,3 +713,54 @@ def test_write_blocks_puts_each_block_in_its_place_and_no_other(device):
     assert np.array_equal(read_blocks(cache, ids), payload.numpy())
     others = [b for b in range(10) if b not in ids]
     assert torch.equal(cache[others], before[others])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)])
+def test_a_request_handed_over_mid_stream_goes_on_elsewhere_token_for_token(llama_tiny, params):
+    """Two co-located engines (role both): requests decoding on one are let go of between steps a few tokens in,
+    and the other pulls their KV and output so far and finishes them as the first alone would have (greedy with
+    logprobs, seeded sampling), the stream holding every token and all the text once; blocks back on both."""
+    folder, vocab = llama_tiny[0], llama_tiny[1].config.vocab_size
+    prompts = random_prompts(vocab, [45, 30])
+    want = colocated(folder, prompts, params, **ENGINE)
+    source, target = LLM(folder, **ENGINE).engine, LLM(folder, **ENGINE).engine
+    free = source.blocks.num_free_blocks(), target.blocks.num_free_blocks()
+    ids = [f"m{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        source.add_request(rid, prompt, params)
+    outs: dict = {}
+    while not all(rid in outs and len(outs[rid][-1].token_ids) >= 3 + i for i, rid in enumerate(ids)):
+        for out in source.step():
+            outs.setdefault(out.request_id, []).append(out)
+    for rid in ids:
+        out = source.hand_over(rid)
+        assert out.finish_reason == "prefilled" and out.new_token_ids == [] and out.handoff.later_tokens
+        handoff = decode_frame(encode_frame(out.handoff))
+        assert handoff.output_token_ids == out.token_ids
+        receiver = target.reserve_import(handoff)
+        for frame in wire(source.export_kv(rid, receiver.first_block, 1000)):
+            receiver.receive(frame)
+        target.finish_import(receiver)
+        source.release_handoff(rid)
+        outs[rid].append(out)
+    assert not source.has_unfinished() and source.hand_over(ids[0]) is None  # gone from here
+    for rid, later in run(target).items():
+        outs[rid] += later
+    for ref, rid in zip(want, ids):
+        last = outs[rid][-1]
+        assert last.finish_reason == "length" and last.token_ids == ref.token_ids
+        assert [t for o in outs[rid] for t in o.new_token_ids] == ref.token_ids
+        assert "".join(o.new_text for o in outs[rid]) == ref.text
+        if params.logprobs:
+            assert last.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert (source.blocks.num_free_blocks(), target.blocks.num_free_blocks()) == free
+
+
+def test_only_a_decoding_request_is_handed_over(llama_tiny):
+    engine = LLM(llama_tiny[0], **ENGINE).engine
+    engine.add_request("p", random_prompts(llama_tiny[1].config.vocab_size, [45])[0], GREEDY)
+    engine.step()  # its prompt takes seven steps: not decoding yet
+    assert engine.hand_over("p") is None and engine.hand_over("nobody") is None
+    assert run(engine)["p"][-1].finish_reason == "length"
