@@ -6,10 +6,10 @@ or over the bound, a payload that is cut short or does not decode to a known mes
 and the side that reads it closes that one connection with the reason logged.
 
 Worker -> router: Hello (first frame), Tokens, Finish, Prefilled, Error, StepReport, Heartbeat, Drained.
-Router -> worker: Auth (first frame), Submit, Import, Abort, Drain.
-Decode worker -> prefill worker, on the prefill worker's KV listener (`Hello.kv_port`): after the same handshake
-(Hello, Auth), KvPull; answered with KvData frames (the hand-off frames of engine/kv_transfer.py, each its own
-frame, written as the reader takes them) or KvRefused; then the puller's KvDone lets the prefill side free the KV.
+Router -> worker: Auth (first frame), Submit, Import, Move, Abort, Drain.
+Importing worker -> the worker that holds the KV, on the latter's KV listener (`Hello.kv_port`): after the same
+handshake (Hello, Auth), KvPull; answered with KvData frames (the hand-off frames of engine/kv_transfer.py, each its
+own frame, written as the reader takes them) or KvRefused; then the puller's KvDone lets the holder free the KV.
 Authentication: the Hello carries a fresh random challenge; the router's first frame answers it with an HMAC keyed by
 the fleet's shared secret (`auth_proof`), so the secret never crosses the wire and a recorded answer fits no other
 connection. A worker sends nothing but the Hello to a connection before that answer, closes one whose answer is
@@ -97,7 +97,7 @@ class Hello(_Message, tag=_tag("hello")):
     executor: str
     challenge: bytes = b""  # random, fresh per connection: the router's Auth answers it
     role: str = "both"  # engine.config's role: both | prefill | decode
-    kv_port: int = 0  # a prefill worker's listener for decode workers' KV pulls (0: none)
+    kv_port: int = 0  # the worker's listener for other workers' pulls of the KV it holds for them (0: none)
 
 
 class Auth(_Message, tag=_tag("auth")):
@@ -118,13 +118,20 @@ class Submit(_Message, tag=_tag("submit")):
 
 
 class Import(_Message, tag=_tag("import")):
-    """Continue a request that a prefill worker ran to its first token: pull its KV from that worker's KV listener
-    (`kv_host`:`kv_port`), import it and stream the rest as for a Submit."""
+    """Continue a request that another worker let go of (`Prefilled`: a prefill worker's at its first token, or one
+    it was told to `Move`): pull its KV from that worker's KV listener (`kv_host`:`kv_port`), import it and stream
+    the rest as for a Submit."""
     request_id: str
-    handoff: bytes  # engine.kv_transfer.encode_frame of the prefill engine's Handoff
+    handoff: bytes  # engine.kv_transfer.encode_frame of the other engine's Handoff
     kv_host: str
     kv_port: int
-    clock_shift: float  # this worker's clock - the prefill worker's: the Handoff's times are on the latter
+    clock_shift: float  # this worker's clock - the other worker's: the Handoff's times are on the latter
+
+
+class Move(_Message, tag=_tag("move")):
+    """Let go of a decoding request between steps, its KV held for another worker to pull: answered by Prefilled
+    as a prefill worker's hand-off, or by nothing where it is no longer decoding here (it finishes as usual)."""
+    request_id: str
 
 
 class Abort(_Message, tag=_tag("abort")):
@@ -160,8 +167,9 @@ class Finish(_Message, tag=_tag("finish")):
 
 
 class Prefilled(_Message, tag=_tag("prefilled")):
-    """A prefill worker's request has its first token (sent before this frame) and its KV is held for a decode
-    worker to pull (`Import`), until that one says KvDone, the router aborts it, or the worker's hold times out."""
+    """A prefill worker's request has its first token, or a request this worker was told to `Move` left its batch
+    (its tokens so far sent before this frame), and its KV is held for another worker to pull (`Import`), until that
+    one says KvDone, the router aborts it, or the worker's hold times out."""
     request_id: str
     handoff: bytes  # engine.kv_transfer.encode_frame of the engine's Handoff
     num_cached_tokens: int
@@ -252,8 +260,8 @@ class KvDone(_Message, tag=_tag("kv_done")):
     request_id: str
 
 
-Message = Union[Hello, Auth, Submit, Import, Abort, Drain, Tokens, Finish, Prefilled, Error, StepReport, Heartbeat,
-                Drained, KvPull, KvData, KvRefused, KvDone]
+Message = Union[Hello, Auth, Submit, Import, Move, Abort, Drain, Tokens, Finish, Prefilled, Error, StepReport,
+                Heartbeat, Drained, KvPull, KvData, KvRefused, KvDone]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -108,12 +108,12 @@ class _Stream:
 
 @dataclass(slots=True, frozen=True)
 class _HandOff:
-    """What a prefill instance said of a request it holds: sent on to the decode instance in an Import."""
+    """What an instance said of a request whose KV it holds for a pull: sent on, in an Import, to where it goes."""
     handoff: bytes
-    prefill_instance: str
+    held_by: str  # the instance that holds its KV: a prefill instance, or the one a moved request left
     kv_host: str
     kv_port: int
-    clock_offset: float  # the router's clock - the prefill worker's
+    clock_offset: float  # the router's clock - the holder's
 
 
 class _Outputs:
@@ -356,7 +356,8 @@ class RouterService:
                 self.metrics.observe_queue_time(stream.routed.tier, max(0.0, submit.queued_s))
 
     def _dispatch(self, placements: list[Placement], now: float) -> None:
-        """Sends what the router placed, and answers what it gave up."""
+        """Sends what the router placed, answers what it gave up, and tells the instances whose residents it chose
+        to move to let go of them (each then says Prefilled, and `_on_prefilled` places it)."""
         for placement in placements:
             stream = self.streams.get(placement.request.request_id)
             if stream is not None:
@@ -368,6 +369,10 @@ class RouterService:
                            f"first token can no longer come within its {routed.slo.ttft_ms:g} ms")
                 for s in (stream, *stream.companions):
                     s.end(QueueFullError(message, self.router.retry_after(routed.tier_index)))
+        for request_id, instance_id in self.router.take_migrations():
+            link = self.links.get(instance_id)
+            if link is not None:
+                link.send(p.Move(request_id))
 
     def _send_placed(self, stream: _Stream, instance_id: str, now: float) -> None:
         """A request the router placed, with the samples admitted with it (placed there too): those whose client
@@ -431,7 +436,7 @@ class RouterService:
                 if s.lost_at is not None and d.token_ids:
                     self.migration_delays.append(now - s.lost_at)
                     s.lost_at = None
-                if s.handoff is not None and d.token_ids and instance_id != s.handoff.prefill_instance:
+                if s.handoff is not None and d.token_ids and instance_id != s.handoff.held_by:
                     # a decode worker streams only once the import is applied, and the prefill side freed the
                     # KV when told so: nothing is held for this stream any more
                     s.handoff = None
@@ -482,20 +487,28 @@ class RouterService:
         if s is None or s.routed.instance_id != link.instance_id or s.done:
             link.send(p.Abort(msg.request_id))  # nobody waits for it: its KV is freed there
             return
-        self.router.on_finished(msg.request_id, len(s.token_ids), now, completed=False)
         if not link.hello.kv_port:
+            self.router.on_finished(msg.request_id, len(s.token_ids), now, completed=False)
             s.end(s.output([], "", "error", error=f"instance {link.instance_id} handed off a request but has no "
                                                   f"KV listener"))
             return
         host = link.writer.get_extra_info("peername")[0]
         s.handoff = _HandOff(msg.handoff, link.instance_id, host, link.hello.kv_port, link.clock_offset)
         s.transfer_attempts = 0
-        self.counts["handed_off"] += 1
-        self._hand_off(s, now)
+        if msg.request_id in self.router.leaving:  # a resident the router chose to move, not a prefill's hand-off
+            self.counts["moved"] += 1
+            self._handed(s, self.router.moved(msg.request_id, len(s.token_ids), now), now)
+        else:
+            self.counts["handed_off"] += 1
+            self.router.on_finished(msg.request_id, len(s.token_ids), now, completed=False)
+            self._hand_off(s, now)
         self._dispatch(self.router.retry_queued(now), now)
 
     def _hand_off(self, s: _Stream, now: float, *, retry: bool = False) -> None:
-        decision = self.router.hand_off(s.routed, now, retry=retry)
+        self._handed(s, self.router.hand_off(s.routed, now, retry=retry, num_output_tokens=max(1, len(s.token_ids))),
+                     now)
+
+    def _handed(self, s: _Stream, decision, now: float) -> None:
         if decision.outcome is Outcome.PLACED:
             self._send(s, decision.instance_id, now)
         elif decision.outcome is Outcome.NO_INSTANCE:
@@ -514,7 +527,7 @@ class RouterService:
     def _give_up_handoff(self, s: _Stream) -> None:
         """The prefill instance need hold its KV no more."""
         h, s.handoff = s.handoff, None
-        link = self.links.get(h.prefill_instance)
+        link = self.links.get(h.held_by)
         if link is not None:
             link.send(p.Abort(s.routed.request_id))
 
@@ -567,7 +580,7 @@ class RouterService:
             s = self.streams.get(req.request_id)
             if s is None or s.done:
                 continue
-            if s.handoff is not None and s.handoff.prefill_instance != instance_id:
+            if s.handoff is not None and s.handoff.held_by != instance_id:
                 # lost before it streamed from its decode instance: the prefill side may hold the KV still
                 self._import_failed(s, instance_id, "transfer", reason, now)
             elif s.started:
@@ -655,7 +668,7 @@ class RouterService:
 
     def _holding_kv(self) -> set[str]:
         """The prefill instances that hold a hand-off's KV for a stream, not yet imported where it was sent."""
-        return {s.handoff.prefill_instance for s in self.streams.values() if s.handoff is not None}
+        return {s.handoff.held_by for s in self.streams.values() if s.handoff is not None}
 
     def _start_instances(self, launcher: Launcher, num_prefill: int, num_others: int, now: float) -> None:
         """Decode (or co-located) workers from the warm spares first, then cold starts: the prefill workers first,

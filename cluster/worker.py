@@ -16,11 +16,12 @@ answered with a `draining` error, residents finish, every connection gets Draine
 
 Prefill/decode roles (`--role`, engine/kv_transfer.py): a prefill worker ends a request at its first token with a
 Prefilled frame (the engine's Handoff) instead of a Finish, and holds its KV for `--handoff-timeout-s` on a second
-listener (`Hello.kv_port`) where decode workers pull it after the same handshake as the router's. A decode worker
-told to Import a request connects there, pulls the blocks (streamed in bounded frames, each written once the
-socket has taken the previous one), imports them, says KvDone (the prefill side frees them) and streams the rest
-to its router as for a Submit. A pull that fails closes that peer connection, logs why and answers the router
-with an Error (kinds refused, transfer, gone: cluster/protocol.py); nothing of it is applied.
+listener (`Hello.kv_port`) where other workers pull it after the same handshake as the router's; a decode or
+co-located worker told to Move a decoding request lets go of it between steps and holds it the same way. A worker
+told to Import a request (role decode or both) connects there, pulls the blocks (streamed in bounded frames, each
+written once the socket has taken the previous one), imports them, says KvDone (the holder frees them) and streams
+the rest to its router as for a Submit. A pull that fails closes that peer connection, logs why and answers the
+router with an Error (kinds refused, transfer, gone: cluster/protocol.py); nothing of it is applied.
 
 Prompts arrive as token ids (the router tokenizes); the engine detokenizes with the model folder's tokenizer, so
 stop strings cut exactly where they would in one process, and text deltas travel with the tokens.
@@ -143,8 +144,9 @@ class Worker:
         `parent_pid`: exit when that process is gone (a launcher's workers must not outlive it).
         `report_every_steps`: the most steps whose report is held back while nothing placement depends on changed
         (StepReportCoalescer; 1: a report every step).
-        `handoff_timeout_s` (a prefill engine): how long a prefilled request's KV is held for a decode worker's pull
-        before it is freed; `kv_chunk_bytes`: the most payload bytes in one KV frame sent."""
+        `handoff_timeout_s`: how long the KV of a request let go of (a prefill engine's at its first token, or one
+        told to Move) is held for another worker's pull before it is freed; `kv_chunk_bytes`: the most payload
+        bytes in one KV frame sent."""
         if not heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be positive, got {heartbeat_s}")
         if not handoff_timeout_s > 0:
@@ -180,9 +182,8 @@ class Worker:
         """Starts the engine and listens; returns the bound port."""
         await self.async_engine.start()
         self._server = await asyncio.start_server(self._serve_connection, host, port)
-        if self.engine.role == "prefill":
-            self._kv_server = await asyncio.start_server(self._serve_kv_peer, host, 0)
-            self.kv_port = self._kv_server.sockets[0].getsockname()[1]
+        self._kv_server = await asyncio.start_server(self._serve_kv_peer, host, 0)
+        self.kv_port = self._kv_server.sockets[0].getsockname()[1]
         self._heartbeat_task = asyncio.create_task(self._heartbeats())
         return self._server.sockets[0].getsockname()[1]
 
@@ -263,6 +264,9 @@ class Worker:
             else:
                 serve = self._serve_request if isinstance(msg, p.Submit) else self._serve_import
                 conn.requests[msg.request_id] = asyncio.create_task(serve(conn, msg))
+        elif isinstance(msg, p.Move):
+            if msg.request_id in conn.requests:  # one that finished meanwhile: nothing to move
+                self.async_engine.hand_over(msg.request_id)
         elif isinstance(msg, p.Abort):
             if msg.request_id in conn.requests:  # only a connection's own requests
                 self.async_engine.abort(msg.request_id)
@@ -298,7 +302,7 @@ class Worker:
         await self._serve(conn, rid, run(), "request")
 
     async def _serve_import(self, conn: _Connection, msg: p.Import) -> None:
-        """A decode engine's request: its KV pulled from the prefill worker, then its outputs after the first."""
+        """A request another worker let go of: its KV pulled from there, then its outputs after those streamed."""
         rid = msg.request_id
 
         async def run() -> None:
@@ -312,10 +316,11 @@ class Worker:
             handoff = msgspec.structs.replace(
                 handoff, arrival=handoff.arrival + shift, first_token_time=handoff.first_token_time + shift,
                 first_scheduled_time=None if handoff.first_scheduled_time is None
-                else handoff.first_scheduled_time + shift)
+                else handoff.first_scheduled_time + shift, later_times=[t + shift for t in handoff.later_times])
             source = _PeerKv(msg.kv_host, msg.kv_port, self._token, rid)
             try:
-                await self._stream(conn, rid, self.async_engine.generate_imported(handoff, source), 1)
+                await self._stream(conn, rid, self.async_engine.generate_imported(handoff, source),
+                                   len(handoff.output_token_ids))
             except KvImportRefused as err:
                 conn.add(p.Error(rid, "refused", str(err)))
             except (KvTransferError, p.ProtocolError, ConnectionError, OSError, asyncio.TimeoutError) as err:
@@ -565,7 +570,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(a resident joining, leaving, emitting its first token, preempted: reported at once); "
                          "1: a report every step")
     ap.add_argument("--handoff-timeout-s", type=float, default=30.0,
-                    help="role prefill: how long a prefilled request's KV is held for a decode worker's pull")
+                    help="how long the KV of a request let go of (prefilled, or moved) is held for another "
+                         "worker's pull")
     ap.add_argument("--cluster-token-file", default=None,
                     help=f"file holding the shared secret the router proves (default: ${p.TOKEN_ENV}; one is needed)")
     add_engine_args(ap)

@@ -183,6 +183,11 @@ class AsyncEngine:
         """Ends the request; its stream reads the final output ("abort")."""
         self._post(lambda: self.engine.abort(request_id))
 
+    def hand_over(self, request_id: str) -> None:
+        """Lets go of a decoding request between steps (`Engine.hand_over`); its stream reads the final output
+        ("prefilled", with its hand-off), or goes on as before where it is not decoding."""
+        self._post(lambda: self.engine.hand_over(request_id))
+
     def _drop(self, request_id: str) -> None:
         """Ends a request whose stream is closed. Its final output goes nowhere: a new stream may have its id by
         the time it would arrive."""

@@ -371,6 +371,39 @@ def test_a_decode_worker_lost_after_it_streamed_means_the_stream_migrates(llama_
     assert counts["migrated"] == 1 and counts["handed_off"] == 2 and not counts["transfer_failed"]
 
 
+def test_a_resident_the_router_moves_streams_on_from_the_other_worker_token_for_token(llama_tiny):
+    """Two co-located workers: a request streaming from one is moved mid-stream. The router's choice is staged as
+    its drain makes it (`Router._drain_into`: the move listed, the instance it leaves out of the request's tier,
+    here by draining it); the worker lets go of the request between steps and holds its KV, the other pulls that KV
+    with the output so far and streams on, and the client reads the co-located text once; nothing is left held."""
+    want = LLM(llama_tiny[0], **TINY).generate([PROMPT], LONG)[0]
+
+    async def scenario():
+        async with PdFleet(llama_tiny[0], ["both", "both"], kv_chunk_bytes=1024, **TINY) as fleet:
+            service, router = fleet.service, fleet.service.router
+            outs, source = [], []
+            async for out in streaming(fleet, "r", LONG):
+                outs.append(out)
+                if not source and len(out.token_ids) >= 3:
+                    source.append(router.requests["r"].instance_id)
+                    router.leaving["r"] = source[0]
+                    router.migrations.append(("r", source[0]))
+                    router.start_draining(source[0], time.monotonic())
+                    service._dispatch([], time.monotonic())
+            await fleet.settled("both-0", "both-1")
+            return outs, fleet, source[0]
+
+    outs, fleet, source = run(scenario())
+    target = ({"both-0", "both-1"} - {source}).pop()
+    assert outs[-1].finish_reason == "length" and outs[-1].token_ids == want.token_ids
+    assert joined(outs) == (want.token_ids, want.text)
+    assert fleet.service.counts["moved"] == 1 and not fleet.service.counts["transfer_failed"]
+    assert not fleet.service.router.leaving and not fleet.service.router.moving
+    # the other engine computed no prompt: the KV of the prompt and the output so far came by transfer
+    assert not any(s.num_prefill_tokens for s in fleet.engines[target].step_stats)
+    assert any(s.num_decode_seqs for s in fleet.engines[target].step_stats)
+
+
 def test_the_hand_off_frames_round_trip():
     frames = [p.Hello(p.PROTOCOL_VERSION, "prefill-0", 1, 2.0, 64, 16, 4096, 307, False, "model", b"c", "prefill",
                       4242),
