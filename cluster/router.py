@@ -13,7 +13,8 @@ tells it what happened, it answers what to do:
              on_lost (-> the residents, unplaced, for the caller to readmit or end)
   requests   submit (-> Decision: placed, queued, queue full, refused for its cost, no instance), on_report (a
              step's progress),
-             on_load (KV in use between steps), on_finished, withdraw, retry_queued (-> placements)
+             on_load (KV in use between steps), on_finished, withdraw, retry_queued (-> placements),
+             take_migrations (-> residents to move, each with the instance to let go of it), moved (-> Decision)
   reading    fleet (cluster.fleet.Fleet), queue_length, waiting_tiers, events, counts
 Submit assumes the request passed admission (`admissible`: an idle instance could meet its SLO at all); one whose
 prompt is among its tier's costliest `costly_share` is refused (scheduler/costly.py), not placed, while the fleet is
@@ -24,7 +25,8 @@ request) is placed with them, all on one instance, the test counting each; a str
 was lost goes where its next token is predicted soonest. The test reads an instance through the resident summary the
 router keeps current (InstanceView.summary), so a scan costs O(log n) per instance of n residents; a step report
 pays the pass over them. A tier whose requests wait while it holds no instance and none is idle takes one from the
-loosest tier that holds any (`_take_from_loosest`).
+loosest tier that holds any (`_take_from_loosest`); one that holds some takes the least-loaded of a looser tier that
+drains, that instance's residents of looser tiers moved onto their own tier's other instances (`_drain_into`).
 
 Prefill/decode disaggregation (`set_role`): prefill instances form a pool of their own, outside the tiers. PolyServe
 places a new request whole on a decode instance of its tier whose steps have time to spare (its KV bounds its batch

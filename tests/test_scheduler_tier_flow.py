@@ -1,4 +1,4 @@
-"""A tier drains when its completions outrun its arrivals beyond the noise of the two counts (scheduler/tier_flow.py)."""
+"""A tier drains when its completions outrun its arrivals beyond the noise of both counts (scheduler/tier_flow.py)."""
 from __future__ import annotations
 
 import pytest
