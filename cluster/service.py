@@ -437,8 +437,8 @@ class RouterService:
                     self.migration_delays.append(now - s.lost_at)
                     s.lost_at = None
                 if s.handoff is not None and d.token_ids and instance_id != s.handoff.held_by:
-                    # a decode worker streams only once the import is applied, and the prefill side freed the
-                    # KV when told so: nothing is held for this stream any more
+                    # the importing worker streams only once the import is applied, and the holder freed the KV
+                    # when told so: nothing is held for this stream any more
                     s.handoff = None
                 s.token_ids.extend(d.token_ids)
                 s.token_times.extend([t + offset for t in d.emit_times])
@@ -525,7 +525,8 @@ class RouterService:
         asyncio.get_running_loop().call_later(self.tick_s, retry)
 
     def _give_up_handoff(self, s: _Stream) -> None:
-        """The prefill instance need hold its KV no more."""
+        """The instance that holds its KV (a prefill instance, or the one a moved request left) need hold it no
+        more."""
         h, s.handoff = s.handoff, None
         link = self.links.get(h.held_by)
         if link is not None:
@@ -667,7 +668,8 @@ class RouterService:
                 task.add_done_callback(self._spare_tasks.discard)
 
     def _holding_kv(self) -> set[str]:
-        """The prefill instances that hold a hand-off's KV for a stream, not yet imported where it was sent."""
+        """The instances that hold a hand-off's KV for a stream (a prefill instance's, or a moved request's), not yet
+        imported where it was sent."""
         return {s.handoff.held_by for s in self.streams.values() if s.handoff is not None}
 
     def _start_instances(self, launcher: Launcher, num_prefill: int, num_others: int, now: float) -> None:
