@@ -32,15 +32,21 @@ class TierFlow:
 
     def arrived(self, now: float) -> None:
         self._arrivals.append(now)
+        self._forget(now)
 
     def completed(self, now: float) -> None:
         self._completions.append(now)
+        self._forget(now)
 
     def draining(self, now: float) -> bool:
         """Did more of the tier's requests complete than arrive over the window, beyond the counts' noise?"""
+        self._forget(now)
+        arrived, completed = len(self._arrivals), len(self._completions)
+        return completed - arrived > STANDARD_ERRORS * math.sqrt(completed + arrived)
+
+    def _forget(self, now: float) -> None:
+        """Drops what left the window: kept as each event comes, a tier never asked holds no more than one."""
         since = now - self.window_s
         for times in (self._arrivals, self._completions):
             while times and times[0] < since:
                 times.popleft()
-        arrived, completed = len(self._arrivals), len(self._completions)
-        return completed - arrived > STANDARD_ERRORS * math.sqrt(completed + arrived)

@@ -49,3 +49,11 @@ def test_only_the_last_window_counts():
 def test_a_window_that_is_not_positive_is_refused(window):
     with pytest.raises(ValueError, match="window_s"):
         TierFlow(window_s=window)
+
+
+def test_a_tier_never_asked_keeps_only_its_last_window():
+    f = TierFlow()
+    for i in range(10_000):
+        f.arrived(i * 0.01)
+        f.completed(i * 0.01)
+    assert len(f._arrivals) <= WINDOW_S / 0.01 + 1 and len(f._completions) <= WINDOW_S / 0.01 + 1
