@@ -558,7 +558,7 @@ class Router:
             view = self._baseline_choice(req)
             return None if view is None else (view, How.BASELINE, None)
         snap, now = self._as_placed(req, now, req.late)
-        early = self.first_token_headroom[req.tier_index].margin * req.slo.ttft_ms / 1000.0
+        early = self._early_s(req)
         if self.policy == "least-loaded-admission":
             view = self._least_loaded_attaining(req, snap, early, now)
             return None if view is None else (view, How.BASELINE, None)
@@ -644,8 +644,16 @@ class Router:
         deadline has it, one TPOT after its first token's deadline for each token out."""
         if req.request_id not in self.handoffs:
             return req.snapshot(now if late else req.arrival), now
+        return self._as_handed_off(req, now, late)
+
+    def _as_handed_off(self, req: RoutedRequest, now: float, late: bool) -> tuple[RequestSnapshot, float]:
+        """`_as_placed` of `req` as a hand-off (its KV moving now), whether or not it is one yet."""
         arrives = now + self._transfer_s(req)
         return req.snapshot(arrives if late else req.arrival + req.num_output_tokens * req.tpot_s), arrives
+
+    def _early_s(self, req: RoutedRequest) -> float:
+        """How early its placement plans its first token: its tier's first-token margin of its TTFT."""
+        return self.first_token_headroom[req.tier_index].margin * req.slo.ttft_ms / 1000.0
 
     @property
     def prefill_seconds_per_token(self) -> float:
@@ -963,19 +971,32 @@ class Router:
         looser tier's instance only by demotion: that holds the instance to their pace only while they are there,
         its own tier refills it at its own pace as soon as they leave, and they queue behind its batch (a small
         decode pool, fewer instances than tiers, whose instances went to the tiers whose requests came first)."""
-        members, autoscaler = self.fleet.members, self.autoscaler
-        if self.policy != "polyserve" or members[tier] or self.fleet.idle or \
+        autoscaler = self.autoscaler
+        if self.policy != "polyserve" or self.fleet.members[tier] or self.fleet.idle or \
                 (autoscaler is not None and not autoscaler.can_join(self.fleet, tier)):
             return False
+        view = self._loosest_giving(tier, lambda looser: True)
+        if view is not None:
+            self._retier(view, tier, now)
+        return view is not None
+
+    def _loosest_giving(self, tier: int, gives: Callable[[int], bool]) -> InstanceView | None:
+        """The least-loaded serving instance of the loosest tier looser than `tier` that `gives` (by its index) and
+        whose floor allows its release."""
+        members, autoscaler = self.fleet.members, self.autoscaler
         ready = InstanceStatus.READY
         for looser in range(len(members) - 1, tier, -1):
+            if not gives(looser) or (autoscaler is not None and not autoscaler.can_release(self.fleet, looser)):
+                continue
             view = min((v for v in members[looser] if v.status is ready), key=_load, default=None)
-            if view is not None and (autoscaler is None or autoscaler.can_release(self.fleet, looser)):
-                self._unlabel(view)
-                self._join(view, tier, now)
-                self._log(now, "retiered", None, view.instance_id, tier)
-                return True
-        return False
+            if view is not None:
+                return view
+        return None
+
+    def _retier(self, view: InstanceView, tier: int, now: float) -> None:
+        self._unlabel(view)
+        self._join(view, tier, now)
+        self._log(now, "retiered", None, view.instance_id, tier)
 
     def _drain_into(self, tier: int, now: float) -> None:
         """`tier`'s head fits nowhere, no instance is idle and none of its own is past its budget: a looser tier
@@ -1001,40 +1022,24 @@ class Router:
         if source is None:
             if over:
                 return
-            source = self._draining_instance(tier, now)
+            # a looser tier that drains, holds two or more and has none of its requests waiting
+            source = self._loosest_giving(tier, lambda looser: not self.queues[looser] and len(members[looser]) >= 2
+                                          and self.flows[looser].draining(now))
             if source is None:
                 return
-            self._unlabel(source)
-            self._join(source, tier, now)
-            self._log(now, "retiered", None, source.instance_id, tier)
+            self._retier(source, tier, now)
         for req in sorted(source.residents.values(), key=lambda r: r.num_output_tokens, reverse=True):
             rid = req.request_id
             if req.tier_index <= tier or rid in self.reserved or rid in self.leaving or req.num_output_tokens < 1:
                 continue
-            arrives = now + self._transfer_s(req)
-            snap = req.snapshot(req.arrival + req.num_output_tokens * req.tpot_s)
-            early = self.first_token_headroom[req.tier_index].margin * req.slo.ttft_ms / 1000.0
-            placed = self._place_in((req.tier_index,), req, snap, early, arrives)
+            snap, arrives = self._as_handed_off(req, now, False)
+            placed = self._place_in((req.tier_index,), req, snap, self._early_s(req), arrives)
             if placed is None:
                 continue
             self._reserve(req, *placed, now)
             self.leaving[rid] = source.instance_id
             self.migrations.append((rid, source.instance_id))
             self._log(now, "moving", rid, source.instance_id, req.tier_index)
-
-    def _draining_instance(self, tier: int, now: float) -> InstanceView | None:
-        """The least-loaded serving instance of the loosest tier looser than `tier` that drains, holds two or more
-        and has none of its requests waiting (its floor allowing its release)."""
-        members, autoscaler = self.fleet.members, self.autoscaler
-        ready = InstanceStatus.READY
-        for looser in range(len(members) - 1, tier, -1):
-            if self.queues[looser] or len(members[looser]) < 2 or not self.flows[looser].draining(now) or \
-                    (autoscaler is not None and not autoscaler.can_release(self.fleet, looser)):
-                continue
-            view = min((v for v in members[looser] if v.status is ready), key=_load, default=None)
-            if view is not None:
-                return view
-        return None
 
     def _maybe_release(self, tier: int, now: float) -> None:
         members = self.fleet.members[tier]
