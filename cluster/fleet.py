@@ -76,6 +76,11 @@ class InstanceView:
     load: float = 0.0  # predicted iteration time of the current batch (every resident decoding)
     iteration_end: float = 0.0  # predicted end of the iteration in flight
     num_blocks_used: int = 0  # as last reported
+    # its stand-ins (`Router._reserve`) by request id, each with when its place was taken, oldest first; and the
+    # moving mean gap between the instants it let a request go (`Router._unseat`), the last one at `last_unseat`
+    stand_ins: dict[str, float] = field(default_factory=dict)
+    unseat_gap_s: float = 0.0
+    last_unseat: float | None = None
     # the attainability test's aggregates of `residents` (read live: the dict is only ever changed in place); the
     # router adds and removes residents as it places and forgets them, and rebuilds it on step reports, so the
     # router's scan reads it as it is (AttainabilityChecker.fits)

@@ -36,7 +36,9 @@ work of those whose queue runs its prompt and the transfer of its KV by its firs
 rules, as a whole request that instance prefills itself ("convertible": a burst does not wait for the prefill pool
 to grow), never on one scaled up from the idle pool for it nor on the least-loaded of a looser tier's several; else
 it waits in its tier's queue. The hand-off (`hand_off`) is placed on decode instances by the tier rules, tested from
-the moment its KV arrives with its next token due one TPOT after its first-token deadline.
+the moment its KV arrives with its next token due one TPOT after its first-token deadline. A prompt sent to prefill
+holds its hand-off's place as a stand-in resident (`_reserve`); a decode instance's tests count its stand-ins only
+beyond the places it is expected to free before they land (`_landing_after_departures`).
 """
 from __future__ import annotations
 
@@ -68,6 +70,9 @@ from scheduler.types import StepStats
 # of 64-instance fleets) hold fewer; a tier of a few hundred at full step swings from misses to refusals and back
 # (bench/RESULTS.md).
 POOLED_AT_FULL_STEP = 32
+# The weight of a new sample in the moving means of stand-ins' holds and of the gaps between a decode instance's
+# departures: they follow a change within some fifty samples, and one long gap or hold moves them little.
+MOVING_MEAN_WEIGHT = 0.02
 POLICIES = ("polyserve", "random", "round-robin", "least-loaded", "least-loaded-admission", "lmetric")
 PROMOTIONS = ("lazy", "before-scale-up", "none", "eager")
 
@@ -205,6 +210,7 @@ class Router:
         # a request on a prefill instance, by the decode instance its hand-off was promised: a stand-in there (its
         # prompt computed, its first token out) counts it in that instance's batch and KV until it hands off
         self.reserved: dict[str, InstanceView] = {}
+        self.hold_s = 0.0  # the moving mean of how long a stand-in holds its place (0 until one gave way)
         self.transfer = transfer
         # moving a draining tier's residents (`_drain_into`): each tier's arrivals and completions; the residents
         # chosen to leave their instance, by that instance, their new place held (`_reserve`) until the caller
@@ -290,6 +296,7 @@ class Router:
             del self.requests[req.request_id]
             self.handoffs.discard(req.request_id)
         view.residents.clear()
+        view.stand_ins.clear()
         view.residents_per_tier.clear()
         view.kv_tokens = 0
         view.summary.rebuild()
@@ -302,7 +309,7 @@ class Router:
         leaving = []
         for req in view.residents.values():
             if self.reserved.get(req.request_id) is view:
-                del self.reserved[req.request_id]
+                del self.reserved[req.request_id], view.stand_ins[req.request_id]
             else:
                 leaving.append(req)
                 self.leaving.pop(req.request_id, None)
@@ -796,7 +803,37 @@ class Router:
         counted in as residents (seated for the test, then taken out again), each one more sequence in the batch
         and its own KV. An instance whose role does not take the request's stage fits it not; a prefill instance
         is tested by its own rule, whatever the budget. First of all its KV must have room for the prompt now
-        (`_has_room`)."""
+        (`_has_room`). A decode instance's latest stand-ins, as many as it is expected to let requests go while one
+        holds its place (`_landing_after_departures`), are left out of it."""
+        left_out = self._landing_after_departures(view, req) if view.stand_ins else ()
+        for stand_in in left_out:
+            del view.residents[stand_in.request_id]
+            view.summary.remove(stand_in)
+            view.kv_tokens -= stand_in.num_prompt_tokens + stand_in.num_output_tokens
+        try:
+            return self._fits_as_seated(view, budget_ms, req, snap, now, early)
+        finally:
+            for stand_in in left_out:
+                view.residents[stand_in.request_id] = stand_in
+                view.summary.add(stand_in)
+                view.kv_tokens += stand_in.num_prompt_tokens + stand_in.num_output_tokens
+
+    def _landing_after_departures(self, view: InstanceView, req: RoutedRequest) -> list[RoutedRequest]:
+        """The stand-ins of decode instance `view` a test of `req` there leaves out: its latest but `req`'s own, as
+        many as the instants it is expected to let a request go (a resident finishing or a stand-in giving way) while
+        a stand-in holds its place: the fleet's mean hold over its mean gap between such instants. A stand-in counts
+        from when its prompt is placed and a resident until it leaves, so in steady state, where the stand-ins land
+        about as fast as the residents leave, counting both from now counts that room twice; most where prompts are
+        long beside the outputs (a hold a good part of a stay). Each instant frees at least one place."""
+        if not view.unseat_gap_s or self.roles.get(view.instance_id) != "decode":
+            return []
+        count = int(self.hold_s / view.unseat_gap_s)
+        latest = [rid for rid in reversed(view.stand_ins) if rid != req.request_id][:count]
+        return [view.residents[rid] for rid in latest]
+
+    def _fits_as_seated(self, view: InstanceView, budget_ms: float, req: RoutedRequest, snap: RequestSnapshot,
+                        now: float, early: float) -> bool:
+        """`_fits` on `view`'s residents as they are."""
         if not self._has_room(view, req):
             return False
         if self.roles:
@@ -911,6 +948,7 @@ class Router:
         view.summary.add(stand_in)
         view.residents_per_tier[req.tier_index] += 1
         view.kv_tokens += req.num_prompt_tokens + out
+        view.stand_ins[req.request_id] = now
         self.reserved[req.request_id] = view
         self._update_load(view)
 
@@ -919,11 +957,16 @@ class Router:
         other, most often where the stand-in was."""
         view = self.reserved.pop(request_id, None)
         if view is not None:
+            self.hold_s = _moving_mean(self.hold_s, now - view.stand_ins.pop(request_id))
             self._unseat(view, view.residents[request_id], now)
 
     def _unseat(self, view: InstanceView, req: RoutedRequest, now: float) -> None:
         """`req` off `view`'s residents, and `view` back to the idle pool if its tier can spare it."""
         if view.residents.pop(req.request_id, None) is not None:
+            if req.request_id not in self.reserved and self.roles.get(view.instance_id) == "decode":
+                if view.last_unseat is not None and now > view.last_unseat:
+                    view.unseat_gap_s = _moving_mean(view.unseat_gap_s, now - view.last_unseat)
+                view.last_unseat = now
             per_tier = view.residents_per_tier
             per_tier[req.tier_index] -= 1
             if not per_tier[req.tier_index]:
@@ -1114,6 +1157,11 @@ class Router:
 
 
 _load = attrgetter("load")
+
+
+def _moving_mean(mean: float, sample: float) -> float:
+    """`mean` moved toward `sample` by MOVING_MEAN_WEIGHT; the first sample (a mean of 0) taken whole."""
+    return mean + MOVING_MEAN_WEIGHT * (sample - mean) if mean else sample
 
 
 def _scan_orders(tier: int, num_tiers: int, promotion: str,

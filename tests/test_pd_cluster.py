@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from cluster import protocol as p
-from cluster.router import Router
+from cluster.router import MOVING_MEAN_WEIGHT, Router
 from cluster.service import RouterService
 from cluster.worker import Worker
 from engine import LLM, EngineConfig, SamplingParams
@@ -590,6 +590,53 @@ def test_a_prompt_run_whole_spares_the_least_loaded_of_a_looser_tiers_instances(
     y = RoutedRequest("y", tiers.index(tight.name), tight.name, tight.slo, 0.0, 260, 20)
     placed = router.submit(y, 0.0)
     assert placed.instance_id == "d1" and placed.how is How.DEMOTED and "y" not in d0.residents
+
+
+@pytest.mark.parametrize("a_leaves_at, left_out", [(0.04, 1), (5.0, 0)])
+def test_stand_ins_count_only_beyond_the_places_expected_to_free_before_they_land(a_leaves_at, left_out):
+    """A decode instance's test leaves out its latest stand-ins, as many as the instants it is expected to let a
+    request go while one holds its place (the fleet's mean hold over the instance's mean gap between such instants):
+    where requests leave it quickly a prompt finds room a stand-in would deny it; where they leave slowly it waits as
+    before."""
+    from cluster.fleet import RoutedRequest
+    from cluster.router import How, Outcome
+
+    tiers = EngineConfig(executor="emulated").tier_set
+    tier = tiers[tiers.index("standard")]
+    router = Router(tiers, emulated_latency_model())
+    for instance_id, role, kv in [("p", "prefill", 1 << 20), ("d", "decode", 1000)]:
+        router.add_instance(instance_id, 0.0)
+        router.set_role(instance_id, role)
+        router.on_ready(instance_id, kv, 0.0)
+    decode = router.fleet["d"]
+
+    def request(rid: str, at: float) -> RoutedRequest:
+        return RoutedRequest(rid, tiers.index(tier.name), tier.name, tier.slo, at, 300, 20)
+
+    # "a" goes to prefill (nothing on the decode instance yet) and holds its place 20 ms; "b" runs whole beside its
+    # stand-in (the instance's KV bounds its batch: its steps have time to spare); the decode instance lets a request
+    # go at 0.02 (the stand-in giving way), 0.03 ("b") and then ("a")
+    a, b = request("a", 0.0), request("b", 0.0)
+    assert router.submit(a, 0.0).how is How.PREFILL and router.submit(b, 0.0).how is How.OWN
+    assert list(decode.stand_ins) == ["a"]
+    router.on_finished("a", 1, 0.02, completed=False)
+    assert router.hand_off(a, 0.02).instance_id == "d" and not decode.stand_ins
+    router.on_finished("b", 20, 0.03)
+    router.on_finished("a", 20, a_leaves_at)
+    assert not decode.residents and router.hold_s == pytest.approx(0.02)
+    assert decode.unseat_gap_s == pytest.approx(0.01 + MOVING_MEAN_WEIGHT * (a_leaves_at - 0.03 - 0.01))
+    # again a stand-in ("c") and two prompts run whole beside it: the 1000-token KV has no room for a fourth prompt
+    # of 300 unless the stand-in is left out
+    now = a_leaves_at
+    assert [router.submit(request(rid, now), now).how for rid in "cde"] == [How.PREFILL, How.OWN, How.OWN]
+    fourth = request("f", now)
+    assert [stand_in.request_id for stand_in in router._landing_after_departures(decode, fourth)] == ["c"][:left_out]
+    kv_before = decode.kv_tokens
+    placed = router.submit(fourth, now)
+    assert (placed.outcome, placed.instance_id) == ((Outcome.PLACED, "d") if left_out else (Outcome.QUEUED, None))
+    # left out only for the test's while: the stand-in is still a resident, its KV counted
+    assert decode.residents["c"] is not None and decode.kv_tokens == kv_before + 300 * left_out
+    assert list(decode.stand_ins) == ["c"]
 
 
 def test_a_prompt_goes_to_prefill_only_with_a_decode_place_held_for_it():
