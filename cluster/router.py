@@ -47,6 +47,7 @@ import math
 import random
 from collections import Counter, deque
 from dataclasses import dataclass
+from itertools import islice
 from operator import attrgetter
 from typing import Callable, Iterable, Sequence
 
@@ -828,7 +829,7 @@ class Router:
         if not view.unseat_gap_s or self.roles.get(view.instance_id) != "decode":
             return []
         count = int(self.hold_s / view.unseat_gap_s)
-        latest = [rid for rid in reversed(view.stand_ins) if rid != req.request_id][:count]
+        latest = islice((rid for rid in reversed(view.stand_ins) if rid != req.request_id), count)
         return [view.residents[rid] for rid in latest]
 
     def _fits_as_seated(self, view: InstanceView, budget_ms: float, req: RoutedRequest, snap: RequestSnapshot,
