@@ -50,8 +50,9 @@ result's source and code recorded (`merge_matrix`).
 Other experiments (--experiments): autoscaled: PolyServe autoscaled through conv-phase's phase change, SLO-attaining
 requests per instance-second held; speed: the time to simulate the whole conversation trace at 64 instances;
 calibration: the engine against the simulator, one engine in-process and a fleet of engine processes through the
-live router; scan: per-instance goodput of --policies (default polyserve) over --scan-fleets, in a longer window,
-each probe pooling seeds enough for as many instance-runs at every size; pd: prefill/decode disaggregation at
+live router (a run at each of --calibration-loads; disaggregated with --calibration-prefill-instances); scan:
+per-instance goodput of --policies (default polyserve) over --scan-fleets, in a longer window, each probe pooling
+seeds enough for as many instance-runs at every size; pd: prefill/decode disaggregation at
 --pd-fleets, each router of PD_POLICIES at its best static split of the fleet, beside co-located PolyServe and
 mixed-deadline-admission, each against the bound of its mode (a PD fleet's: `fluid_bound`'s `prefill_chunk`), on
 each of --workloads (the PD column of the matrix: `print_pd_matrix`); the other experiments run on the first of them.
@@ -615,7 +616,8 @@ class Plan:
     speed_duration: float | None
     calibration: tuple[float, float, float]  # time scale, rate per second of scaled time, duration
     pd_fleets: tuple[int, ...]
-    fleet_calibration: tuple[float, int, float, float] = (2.0, 4, 0.8, 8.0)  # time scale, instances, load, duration
+    # time scale, instances, loads (each a run of its own), duration
+    fleet_calibration: tuple[float, int, tuple[float, ...], float] = (2.0, 4, (0.8,), 8.0)
 
     def cell_window_s(self, num_instances: int) -> float:
         return max(self.window_s, self.window_instance_s / num_instances)
@@ -660,6 +662,16 @@ def make_plan(args) -> Plan:
         plan.scan_rel_tol = args.scan_rel_tol
     if args.pd_fleets:
         plan.pd_fleets = _ints(args.pd_fleets)
+    if args.calibration_loads:
+        scale, instances, _, duration = plan.fleet_calibration
+        try:
+            loads = tuple(float(x) for x in args.calibration_loads.split(","))
+        except ValueError:
+            loads = ()
+        if not loads or min(loads) <= 0:
+            raise SystemExit(f"--calibration-loads wants positive comma-separated numbers, "
+                             f"got {args.calibration_loads!r}")
+        plan.fleet_calibration = (scale, instances, loads, duration)
     return plan
 
 
@@ -1212,9 +1224,12 @@ def run_experiments(pool, plan: Plan, args, names: list[str], workloads: list[Wo
               f"steps, {speed['policy_calls']:,} batch-policy calls; attainment {speed['attainment']:.1%})")
     if "calibration" in names:
         print_calibration(report["calibration"])
-        report["fleet_calibration"] = run_fleet_calibration(  # alone: real time
-            setup, *plan.fleet_calibration, prefill_instances=args.calibration_prefill_instances)
-        print_fleet_calibration(report["fleet_calibration"])
+        scale, instances, loads, duration = plan.fleet_calibration
+        report["fleet_calibration"] = []
+        for load in loads:  # alone: real time
+            report["fleet_calibration"].append(run_fleet_calibration(
+                setup, scale, instances, load, duration, prefill_instances=args.calibration_prefill_instances))
+            print_fleet_calibration(report["fleet_calibration"][-1])
     if "scan" in names:
         scan_setup = Setup(workload, args.latency_profile, plan.scan_warmup_s, plan.scan_window_s,
                            args.prediction_error)
@@ -1303,6 +1318,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--calibration-prefill-instances", type=int, default=0, metavar="N",
                     help="calibration: the fleet calibration disaggregated, N prefill engines beside its engines, "
                          "which then decode, on the same workload (default 0: co-located)")
+    ap.add_argument("--calibration-loads", default=None, metavar="LOAD,...",
+                    help="calibration: the fleet calibration's loads, each x the fluid bound of its engines (its "
+                         "decode engines with --calibration-prefill-instances), a run each (default 0.8)")
     ap.add_argument("--pd-fleets", default=None, help="comma-separated fleet sizes of the PD experiment "
                                                       "(full: 8,16,64)")
     ap.add_argument("--resume", action="store_true",
