@@ -668,8 +668,8 @@ def make_plan(args) -> Plan:
             loads = tuple(float(x) for x in args.calibration_loads.split(","))
         except ValueError:
             loads = ()
-        if not loads or min(loads) <= 0:
-            raise SystemExit(f"--calibration-loads wants positive comma-separated numbers, "
+        if not loads or not all(0 < x < math.inf for x in loads):
+            raise SystemExit(f"--calibration-loads wants finite positive comma-separated numbers, "
                              f"got {args.calibration_loads!r}")
         plan.fleet_calibration = (scale, instances, loads, duration)
     return plan
