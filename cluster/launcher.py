@@ -260,10 +260,6 @@ class LocalLauncher(Launcher):
         p = self.processes.get(instance_id)
         return None if p is None else p.proc.pid
 
-    def spawned_at(self, instance_id: str) -> float | None:
-        p = self.processes.get(instance_id)
-        return None if p is None else p.spawned
-
     def kill(self, instance_id: str) -> None:
         """SIGKILL, for a worker that died or hangs; `stop` reaps it. Its role is free for the next start."""
         self.roles.pop(instance_id, None)

@@ -213,9 +213,6 @@ class Workload:
     def num_refused(self) -> int:
         return int(np.count_nonzero(self.tier_index == REFUSED))
 
-    def tier_counts(self) -> dict[str, int]:
-        return {t.name: int(np.count_nonzero(self.tier_index == i)) for i, t in enumerate(self.tiers)}
-
 
 def assign_tiers(arrivals: np.ndarray, prompt_lens: np.ndarray, mix: TierMix, max_prompts: Sequence[int],
                  rng: np.random.Generator, phase_change_at: float | None = None) -> np.ndarray:
