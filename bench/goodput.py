@@ -905,9 +905,17 @@ def run_matrix(pool, plan: Plan, workloads: list[MatrixWorkload], sweep_setups: 
 def matrix_report(workloads: list[MatrixWorkload], cells: list[dict], sweep: list[dict], plan: Plan, error: str,
                   sweep_setups: dict[str, MatrixWorkload] | None) -> dict:
     """The matrix as goodput.json holds it: each cell with, per rule, its share of that rule's bound and its ratio to
-    the best baseline of its cell by that rule (at a leader fleet, the one baseline run there)."""
+    the best baseline of its cell by that rule (at a leader fleet, the one baseline run there); and a PolyServe cell
+    at a leader fleet where the best baseline of the largest other fleet was not run (a matrix merged from runs
+    whose leaders differ) names that baseline in `leader_not_run`: its ratios are against a weaker baseline."""
     bounds = {w.setup.workload.name: w.bounds for w in workloads}
+    largest = max((c["num_instances"] for c in cells if c["num_instances"] in plan.fleets), default=None)
     for c in cells:
+        if c["policy"] == "polyserve" and c["num_instances"] in plan.leader_fleets and largest is not None:
+            leader = best_baseline(cells, c["workload"], largest)
+            run_here = {o["policy"] for o in cells if o["workload"] == c["workload"]
+                        and o["num_instances"] == c["num_instances"]}
+            c["leader_not_run"] = leader["policy"] if leader and leader["policy"] not in run_here else None
         for key, rule in (("headline", EVERY_TIER), ("strict", STRICT)):
             best = best_baseline(cells, c["workload"], c["num_instances"], key)
             goodput = c[key]["goodput"]
@@ -977,15 +985,23 @@ def print_ratio_summary(matrix: dict) -> None:
     print(f"\nPolyServe's goodput / the best baseline's, headline [strict] (prediction error "
           f"{matrix['prediction_error']}; below, the best baseline [by strict, where another]):")
     print(f"  {'workload':12}" + "".join(f" {n:>33}" for n in fleets))
+    unfair = []
     for w in matrix["workloads"]:
         row, names = [], []
         for n in fleets:
             cell = next((c for c in matrix["cells"] if c["workload"] == w["name"] and c["num_instances"] == n
                          and c["policy"] == "polyserve"), None)
-            row.append(f"{_ratio(cell['headline']['vs_best'])} [{_ratio(cell['strict']['vs_best'])}]" if cell else "-")
+            mark = "*" if cell and cell.get("leader_not_run") else ""
+            row.append(f"{_ratio(cell['headline']['vs_best'])} [{_ratio(cell['strict']['vs_best'])}]{mark}"
+                       if cell else "-")
             names.append(_best_names(cell) if cell else "-")
+            if mark:
+                unfair.append(f"{w['name']} at {n}: {cell['leader_not_run']}")
         print(f"  {w['name']:12}" + "".join(f" {r:>33}" for r in row))
         print(f"  {'':12}" + "".join(f" {b:>33}" for b in names))
+    if unfair:
+        print("  * the best baseline of the largest other fleet was not run there, so the ratio is against a weaker "
+              "one: " + "; ".join(unfair))
     if "sweep" in matrix:
         print_sweep(matrix["sweep"])
 
@@ -1479,7 +1495,8 @@ def _save(fig, path: Path) -> None:
 
 
 def plot_ratio_heatmap(matrix: dict, path: Path) -> None:
-    """PolyServe's headline goodput over the best baseline's, workload x fleet size, the best baseline named."""
+    """PolyServe's headline goodput over the best baseline's, workload x fleet size, the best baseline named (and
+    the larger fleet's leader where it was not run: `matrix_report`)."""
     plt = _plt()
     from matplotlib.colors import TwoSlopeNorm
 
@@ -1492,6 +1509,8 @@ def plot_ratio_heatmap(matrix: dict, path: Path) -> None:
             i, j = workloads.index(c["workload"]), fleets.index(c["num_instances"])
             ratio[i, j] = c["headline"]["vs_best"]
             labels[i][j] = f"{_ratio(ratio[i, j])}\n{c['headline']['best_baseline'] or ''}"
+            if c.get("leader_not_run"):
+                labels[i][j] += f"\n({c['leader_not_run']} not run)"
     fig, ax = plt.subplots(figsize=(2.2 * len(fleets) + 2, 0.8 * len(workloads) + 1.6))
     finite = ratio[np.isfinite(ratio)]
     spread = max(0.05, float(np.max(np.abs(finite - 1.0)))) if len(finite) else 0.5

@@ -130,3 +130,30 @@ def test_a_merged_matrix_takes_its_error_sweep_whole_from_the_last_file_that_hol
     assert all(report["merged_from"][key]["code"] == "rerun" for key in rerun)
     assert not any(key in report["merged_from"] for key in old_sweep)
 
+
+
+def test_a_merged_leader_cell_names_the_larger_fleets_best_baseline_it_was_not_compared_with(tmp_path, capsys):
+    """A matrix merged from runs whose leaders differ: where the best baseline at the largest fleet (here one made
+    the best by a rerun) was not run at a leader fleet, PolyServe's cell there says so, in the report and the
+    printed summary, rather than passing off the ratio against the one baseline that ran."""
+    whole = WHOLE_MATRIX_PROGRESS
+    saved = json.loads(whole.read_text())
+    at_256 = {k.split("|")[2] for k in saved["results"] if k.startswith("cell|conv-4tier|") and k.endswith("|256")}
+    assert at_256 == {"polyserve", "mixed-deadline"}  # the leaders of the run that made the file
+    key = "cell|conv-4tier|mixed-deadline-admission|64"
+    rerun = {"key": {**saved["key"], "code": "rerun"}, "results": {key: json.loads(json.dumps(saved["results"][key]))}}
+    rerun["results"][key]["headline"]["goodput"] *= 3  # now the best baseline at 64
+    (tmp_path / "rerun.json").write_text(json.dumps(rerun))
+
+    def polyserve_at_256(paths: str) -> dict:
+        main(["--merge", paths, "--out", str(tmp_path / "out")])
+        report = json.loads((tmp_path / "out" / "goodput.json").read_text())
+        return next(c for c in report["matrix"]["cells"] if c["workload"] == "conv-4tier"
+                    and c["policy"] == "polyserve" and c["num_instances"] == 256)
+
+    assert polyserve_at_256(str(whole))["leader_not_run"] is None
+    capsys.readouterr()
+    cell = polyserve_at_256(f"{whole},{tmp_path / 'rerun.json'}")
+    assert cell["leader_not_run"] == "mixed-deadline-admission"
+    assert cell["headline"]["best_baseline"] == "mixed-deadline"  # the ratio is still the one that can be taken
+    assert "conv-4tier at 256: mixed-deadline-admission" in capsys.readouterr().out
