@@ -905,23 +905,26 @@ def run_matrix(pool, plan: Plan, workloads: list[MatrixWorkload], sweep_setups: 
 def matrix_report(workloads: list[MatrixWorkload], cells: list[dict], sweep: list[dict], plan: Plan, error: str,
                   sweep_setups: dict[str, MatrixWorkload] | None) -> dict:
     """The matrix as goodput.json holds it: each cell with, per rule, its share of that rule's bound and its ratio to
-    the best baseline of its cell by that rule (at a leader fleet, the one baseline run there); and a PolyServe cell
-    at a leader fleet where the best baseline of the largest other fleet was not run (a matrix merged from runs
-    whose leaders differ) names that baseline in `leader_not_run`: its ratios are against a weaker baseline."""
+    the best baseline of its cell by that rule (at a leader fleet, the baselines run there). At a leader fleet, a
+    PolyServe cell whose rule's best baseline at the largest other fleet was not run there names that baseline in
+    the rule's `leader_not_run` (else None): its ratio is against a weaker baseline. A full run's leaders are the
+    headline's (`_leaders`), so the strict rule's may be missing; so may either in a matrix merged from runs whose
+    leaders differ."""
     bounds = {w.setup.workload.name: w.bounds for w in workloads}
     largest = max((c["num_instances"] for c in cells if c["num_instances"] in plan.fleets), default=None)
     for c in cells:
-        if c["policy"] == "polyserve" and c["num_instances"] in plan.leader_fleets and largest is not None:
-            leader = best_baseline(cells, c["workload"], largest)
-            run_here = {o["policy"] for o in cells if o["workload"] == c["workload"]
-                        and o["num_instances"] == c["num_instances"]}
-            c["leader_not_run"] = leader["policy"] if leader and leader["policy"] not in run_here else None
+        leader_fleet = c["policy"] == "polyserve" and c["num_instances"] in plan.leader_fleets and largest is not None
+        run_here = {o["policy"] for o in cells if o["workload"] == c["workload"]
+                    and o["num_instances"] == c["num_instances"]}
         for key, rule in (("headline", EVERY_TIER), ("strict", STRICT)):
             best = best_baseline(cells, c["workload"], c["num_instances"], key)
             goodput = c[key]["goodput"]
             c[key]["of_bound"] = goodput / bounds[c["workload"]][rule.name].rate(c["num_instances"])
             c[key]["best_baseline"] = best["policy"] if best else None
             c[key]["vs_best"] = goodput / best[key]["goodput"] if best and best[key]["goodput"] > 0 else math.nan
+            if leader_fleet:
+                leader = best_baseline(cells, c["workload"], largest, key)
+                c[key]["leader_not_run"] = leader["policy"] if leader and leader["policy"] not in run_here else None
     out = {"prediction_error": error, "fleets": list(plan.fleets), "leader_fleets": list(plan.leader_fleets),
            "policies": list(plan.policies),
            "workloads": [{**asdict(w.setup.workload), "co_chunk_budget": w.co_budget,
@@ -991,12 +994,15 @@ def print_ratio_summary(matrix: dict) -> None:
         for n in fleets:
             cell = next((c for c in matrix["cells"] if c["workload"] == w["name"] and c["num_instances"] == n
                          and c["policy"] == "polyserve"), None)
-            mark = "*" if cell and cell.get("leader_not_run") else ""
-            row.append(f"{_ratio(cell['headline']['vs_best'])} [{_ratio(cell['strict']['vs_best'])}]{mark}"
-                       if cell else "-")
-            names.append(_best_names(cell) if cell else "-")
-            if mark:
-                unfair.append(f"{w['name']} at {n}: {cell['leader_not_run']}")
+            if not cell:
+                row.append("-")
+                names.append("-")
+                continue
+            marks = {key: "*" if cell[key].get("leader_not_run") else "" for key in ("headline", "strict")}
+            row.append(f"{_ratio(cell['headline']['vs_best'])}{marks['headline']} "
+                       f"[{_ratio(cell['strict']['vs_best'])}{marks['strict']}]")
+            names.append(_best_names(cell))
+            unfair += [f"{w['name']} at {n}, {key}: {cell[key]['leader_not_run']}" for key in marks if marks[key]]
         print(f"  {w['name']:12}" + "".join(f" {r:>33}" for r in row))
         print(f"  {'':12}" + "".join(f" {b:>33}" for b in names))
     if unfair:
@@ -1509,8 +1515,8 @@ def plot_ratio_heatmap(matrix: dict, path: Path) -> None:
             i, j = workloads.index(c["workload"]), fleets.index(c["num_instances"])
             ratio[i, j] = c["headline"]["vs_best"]
             labels[i][j] = f"{_ratio(ratio[i, j])}\n{c['headline']['best_baseline'] or ''}"
-            if c.get("leader_not_run"):
-                labels[i][j] += f"\n({c['leader_not_run']} not run)"
+            if c["headline"].get("leader_not_run"):
+                labels[i][j] += f"\n({c['headline']['leader_not_run']} not run)"
     fig, ax = plt.subplots(figsize=(2.2 * len(fleets) + 2, 0.8 * len(workloads) + 1.6))
     finite = ratio[np.isfinite(ratio)]
     spread = max(0.05, float(np.max(np.abs(finite - 1.0)))) if len(finite) else 0.5
