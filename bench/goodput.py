@@ -40,8 +40,9 @@ keeps it there: cell_jobs (brackets from the smaller fleet, weak baselines searc
 strict search started just below the headline goodput). The cost estimates predate the strict search's own runs.
 Each job's result is kept in <out>/goodput_progress.json (the PD experiment's in
 goodput_pd_progress_<workload>.json) as it finishes: a run stopped part way (the full matrix takes longer than one
-sitting) goes on with --resume where it stopped and gives what the whole run would have; only a run of the same
-options and the same code (`code_fingerprint`) resumes from it. The PD experiment at 8, 16 and 64 instances took
+sitting) goes on with --resume where it stopped and gives what the whole run would have, a matrix cell cut short
+from the runs its journal in <out>/goodput_progress_runs/ kept; only a run of the same options and the same code
+(`code_fingerprint`) resumes from it. The PD experiment at 8, 16 and 64 instances took
 about 3 to 4 h on 2 processes per workload (conv-4tier's searches; the 64-instance ones 1.6 h). Where some cells
 were rerun after a change that left the others' code paths alone, --merge builds the matrix from the kept progress
 files, a later file's cells replacing an earlier one's and the last file's error sweep the earlier ones' whole, each
@@ -90,6 +91,7 @@ import hashlib
 import json
 import math
 import multiprocessing
+import shutil
 import sys
 import tempfile
 import time
@@ -322,12 +324,28 @@ def _figures(res: SimResult, window: tuple[float, float]) -> dict:
 class CellRuns:
     """The runs of one cell of the matrix on the fleet configured for one rule, by (rate, seed): a rate the search
     probes again, or whose figures are asked after the search, is not simulated twice; a run given up below a target
-    is below every higher target."""
+    is below every higher target. With a `journal`, each run is appended to it as it ends and the runs it holds
+    already (those of `fleet`, the rule the fleet is configured for) are not simulated again: a cell stopped part
+    way goes on where it stopped, its searches taking the same path (a search is determined by its scores)."""
     setup: Setup
     policy: str
     num_instances: int
     co_budget: int
+    journal: Path | None = None
+    fleet: str = ""
     kept: dict[tuple[float, int], dict | float] = field(default_factory=dict)  # figures, or the target given up below
+
+    def __post_init__(self) -> None:
+        if self.journal is None or not self.journal.exists():
+            return
+        text = self.journal.read_text()
+        if not text.endswith("\n"):  # a line cut short where the run was stopped: dropped, so appends stay whole
+            text = text[:text.rfind("\n") + 1]
+            self.journal.write_text(text)
+        for line in text.splitlines():
+            entry = json.loads(line)
+            if entry["fleet"] == self.fleet:
+                self.kept[(entry["rate"], entry["seed"])] = entry["kept"]
 
     def score(self, rule: GoodputRule, rate: float, seed: int) -> float:
         """The score of `rule`; NaN for a run given up (certain to fail)."""
@@ -340,6 +358,10 @@ class CellRuns:
         if kept is None or (isinstance(kept, float) and (give_up_below is None or give_up_below < kept)):
             res = _simulate(self.setup, self.policy, self.num_instances, self.co_budget, rate, seed, give_up_below)
             kept = self.kept[(rate, seed)] = give_up_below if res.aborted else _figures(res, self.setup.window)
+            if self.journal is not None:
+                with self.journal.open("a") as f:
+                    f.write(json.dumps({"fleet": self.fleet, "rate": rate, "seed": seed, "kept": kept},
+                                       default=_json_default) + "\n")
         return None if isinstance(kept, float) else kept
 
 
@@ -358,7 +380,8 @@ class CellJob:
     `bracket`; the strict one from STRICT_START x the headline goodput up to it (the search widens a bracket that
     misses): a fleet that attains 99 % of all requests attains 90 % of each tier of a matrix workload, every tier
     holding a quarter or more of the requests. Where the headline passed nowhere, strict is not searched. Each tier's
-    attainment at the headline goodput is that of its first seed's run."""
+    attainment at the headline goodput is that of its first seed's run. Its runs go to `journal` as they end
+    (`CellRuns`; `JobProgress` names it)."""
     setup: Setup
     policy: str
     num_instances: int
@@ -366,11 +389,12 @@ class CellJob:
     seeds: tuple[int, ...]
     bracket: tuple[float, float]
     rel_tol: float
+    journal: Path | None = None
 
     def run(self) -> dict:
         t0 = time.perf_counter()
-        runs = CellRuns(self.setup.for_rule(EVERY_TIER), self.policy, self.num_instances, self.co_budget)
-        strict_runs = CellRuns(self.setup.for_rule(STRICT), self.policy, self.num_instances, self.co_budget)
+        runs, strict_runs = (CellRuns(self.setup.for_rule(rule), self.policy, self.num_instances, self.co_budget,
+                                      self.journal, rule.name) for rule in (EVERY_TIER, STRICT))
         headline = search_goodput(functools.partial(runs.score, EVERY_TIER), self.seeds, *self.bracket, EVERY_TIER,
                                   rel_tol=self.rel_tol, widen=WIDEN)
         if headline.goodput > 0:
@@ -827,17 +851,23 @@ class JobProgress:
     """The jobs of an experiment (the matrix, PD) finished so far, kept in a file after each one, so that a run
     stopped part way is resumed where it stopped (`--resume`) and gives what the whole run would have: only a run of
     the same code and the same options (`key`) resumes from it, and every round is built from the same results in
-    the same order as it would be."""
+    the same order as it would be. A matrix cell unfinished goes on from the runs its journal holds (in the folder
+    `runs_dir`; a cell at 256 instances takes hours on one core)."""
     path: Path
     key: dict
     results: dict[str, dict] = field(default_factory=dict)  # by job_key
 
     @classmethod
     def open(cls, path: Path, key: dict, resume: bool) -> "JobProgress":
-        """The progress kept at `path` by a run of `key` (`resume`, when there is one), or none (a fresh start)."""
+        """The progress kept at `path` by a run of `key` (`resume`, when there is one), or none (a fresh start: the
+        file is written at once with no result, so that the journals of cells stopped before any job ended are
+        resumed too, and journals of another run are removed)."""
         key = json.loads(json.dumps(key, default=_json_default))  # as the file holds it
         if not resume or not path.exists():
-            return cls(path, key)
+            fresh = cls(path, key)
+            shutil.rmtree(fresh.runs_dir, ignore_errors=True)
+            fresh._save()
+            return fresh
         saved = json.loads(path.read_text())
         if saved.get("key") != key:
             differs = sorted(k for k in key.keys() | saved.get("key", {}).keys()
@@ -846,15 +876,31 @@ class JobProgress:
                              f"to start the matrix afresh")
         return cls(path, key, saved["results"])
 
-    def add(self, job: CellJob | SweepJob, result: dict) -> None:
+    @property
+    def runs_dir(self) -> Path:
+        return self.path.with_name(self.path.stem + "_runs")
+
+    def add(self, job: CellJob | SweepJob | SearchJob, result: dict) -> None:
         self.results[job_key(job)] = result
+        self._save()
+        if isinstance(job, CellJob) and job.journal is not None:
+            job.journal.unlink(missing_ok=True)
+
+    def _save(self) -> None:
         scratch = self.path.with_suffix(".tmp")
         scratch.write_text(json.dumps({"key": self.key, "results": self.results}, default=_json_default))
         scratch.replace(self.path)
 
+    def _journaled(self, job):
+        """A matrix cell with its journal in `runs_dir`; any other job as it is."""
+        if not isinstance(job, CellJob):
+            return job
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        return replace(job, journal=self.runs_dir / (job_key(job).replace("|", "_") + ".jsonl"))
+
     def run(self, pool, jobs: list, progress) -> list[dict]:
         """Every job's result in job order, those not finished before run now."""
-        todo = [job for job in jobs if job_key(job) not in self.results]
+        todo = [self._journaled(job) for job in jobs if job_key(job) not in self.results]
         progress.update(len(jobs) - len(todo))
         _map(pool, todo, progress, self.add)
         return [self.results[job_key(job)] for job in jobs]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.goodput import (JobProgress, main, make_plan, matrix_report, matrix_workloads, parse_args, run_matrix,
-                           write_plots)
+import bench.goodput
+from bench.goodput import (JobProgress, cell_jobs, main, make_plan, matrix_report, matrix_workloads, parse_args,
+                           run_matrix, write_plots)
 from cluster.sim.workload import workload_spec
 
 WORKLOAD = "conv-2tier"
@@ -62,6 +63,42 @@ def test_a_resumed_matrix_runs_only_what_was_left_and_gives_the_whole_runs_figur
         if k != marked:  # the one left ran again from the same smaller fleet's figures: the whole run's figures
             assert _figures(resumed[k]) == _figures(whole[k]), k
     assert json.loads(path.read_text())["results"].keys() == whole.keys()
+
+
+def test_a_cell_cut_short_goes_on_from_the_runs_its_journal_kept(tmp_path, monkeypatch):
+    """A matrix cell stopped part way (here: its journal cut after some runs, the last line half written) runs only
+    the simulations it had not finished and gives the figures of the whole cell."""
+    plan = _plan()
+    workloads = matrix_workloads([workload_spec(WORKLOAD)], plan, None, "exact")
+    job = replace(cell_jobs(plan, workloads[0], [], 2, ["polyserve"], plan.rel_tol)[0], journal=tmp_path / "j.jsonl")
+    simulated = []
+    simulate = bench.goodput._simulate
+    monkeypatch.setattr(bench.goodput, "_simulate", lambda *a, **k: simulated.append(a[4:6]) or simulate(*a, **k))
+    whole = job.run()
+    lines = job.journal.read_text().splitlines(keepends=True)
+    assert len(lines) == len(simulated) == whole["simulations"] >= 4  # both rules' searches, every run once
+    assert {json.loads(x)["fleet"] for x in lines} == {"every-tier", "strict"}
+
+    kept = 3
+    job.journal.write_text("".join(lines[:kept]) + lines[kept][:20])
+    first_runs, simulated[:] = list(simulated), []
+    resumed = job.run()
+    assert simulated == first_runs[kept:]  # the rest, in the same order: the searches took the same path
+    assert _figures(resumed) == _figures(whole) and resumed["at_headline"] == whole["at_headline"]
+    assert len(job.journal.read_text().splitlines()) == len(lines)  # the half line dropped, the rest appended
+
+
+def test_a_fresh_run_drops_the_journals_of_another_and_a_finished_cell_drops_its_own(tmp_path):
+    plan = _plan()
+    path = tmp_path / "progress.json"
+    stale = JobProgress(path, {}).runs_dir / f"cell_{WORKLOAD}_polyserve_2.jsonl"
+    stale.parent.mkdir()
+    stale.write_text('{"fleet": "every-tier", "rate": 1.0, "seed": 1, "kept": {"pooled": 1.0}}\n')
+    progress = JobProgress.open(path, {"plan": asdict(plan)}, resume=False)
+    assert not stale.exists() and json.loads(path.read_text())["results"] == {}  # the key is on file at once
+    assert JobProgress.open(path, {"plan": asdict(plan)}, resume=True).results == {}
+    _run(plan, progress)
+    assert list(progress.runs_dir.iterdir()) == []
 
 
 def test_progress_of_another_plan_is_not_resumed(tmp_path):
