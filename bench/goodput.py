@@ -961,7 +961,7 @@ def matrix_report(workloads: list[MatrixWorkload], cells: list[dict], sweep: lis
     for c in cells:
         leader_fleet = c["policy"] == "polyserve" and c["num_instances"] in plan.leader_fleets and largest is not None
         run_here = {o["policy"] for o in cells if o["workload"] == c["workload"]
-                    and o["num_instances"] == c["num_instances"]}
+                    and o["num_instances"] == c["num_instances"]} if leader_fleet else set()
         for key, rule in (("headline", EVERY_TIER), ("strict", STRICT)):
             best = best_baseline(cells, c["workload"], c["num_instances"], key)
             goodput = c[key]["goodput"]

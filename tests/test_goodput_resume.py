@@ -168,7 +168,6 @@ def test_a_merged_matrix_takes_its_error_sweep_whole_from_the_last_file_that_hol
     assert not any(key in report["merged_from"] for key in old_sweep)
 
 
-
 def test_a_merged_leader_cell_names_the_larger_fleets_best_baseline_it_was_not_compared_with(tmp_path, capsys):
     """A matrix merged from runs whose leaders differ: where the best baseline at the largest fleet (here one made
     the best by a rerun) was not run at a leader fleet, PolyServe's cell there says so, in the report and the
