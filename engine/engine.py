@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -288,11 +288,6 @@ class Engine:
         """How many KV blocks hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def can_import(self, handoff: Handoff) -> bool:
-        """Whether this engine could reserve the request's blocks now (`reserve_import`), before any transfer."""
-        needed = self._blocks_for(len(handoff.prompt_token_ids) + len(handoff.output_token_ids))
-        return self.role != "prefill" and needed <= self.blocks.num_free_blocks()
-
     def reserve_import(self, handoff: Handoff) -> KvReceiver:
         """Reserves the blocks of an exported request, its prompt and output so far, and returns the receiver its
         KV frames go to (from its `first_block`: the leading blocks this engine's prefix cache holds are taken
@@ -369,19 +364,6 @@ class Engine:
         if self.imports.get(receiver.request_id) is receiver:
             del self.imports[receiver.request_id]
             self.blocks.remove_sequence(receiver.seq_id)
-
-    def import_request(self, handoff: Handoff,
-                       pull: Callable[[int], Iterable[KvBegin | KvChunk | KvEnd]]) -> Request:
-        """The whole import on this thread: reserve, `pull(first_block)` the frames, verify, apply. On any failure
-        the reservation is given back and the error propagates (KvImportRefused before anything was pulled)."""
-        receiver = self.reserve_import(handoff)
-        try:
-            for frame in pull(receiver.first_block):
-                receiver.receive(frame)
-            return self.finish_import(receiver)
-        except BaseException:
-            self.cancel_import(receiver)
-            raise
 
     # ---- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -43,6 +43,19 @@ def run(engine) -> dict:
     return outs
 
 
+def import_whole(engine, handoff, pull):
+    """One import on this thread as a worker makes it: reserve, `pull(first_block)` the frames, apply; on any
+    failure the reservation given back and the error raised (KvImportRefused before anything was pulled)."""
+    receiver = engine.reserve_import(handoff)
+    try:
+        for frame in pull(receiver.first_block):
+            receiver.receive(frame)
+        return engine.finish_import(receiver)
+    except BaseException:
+        engine.cancel_import(receiver)
+        raise
+
+
 class Pair:
     """A prefill and a decode engine, and the in-process hand-off between them."""
 
@@ -338,14 +351,14 @@ def test_a_damaged_transfer_is_refused_whole(llama_tiny, pair, damage, message):
         return damage(list(sent))
 
     with pytest.raises(KvTransferError, match=message):
-        pair.decode.import_request(pair.prefill.handoff("damaged"), pull)
+        import_whole(pair.decode, pair.prefill.handoff("damaged"), pull)
     assert sum(isinstance(f, KvChunk) for f in sent) > 3
     assert all(len(f.data) <= 256 for f in sent if isinstance(f, KvChunk))
     assert pair.decode.blocks.num_free_blocks() == decode_free
     assert "damaged" not in pair.decode.requests and not pair.decode.imports
     # the prefill side still holds it: a retry succeeds
-    request = pair.decode.import_request(pair.prefill.handoff("damaged"),
-                                         lambda first: wire(pair.prefill.export_kv("damaged", first)))
+    request = import_whole(pair.decode, pair.prefill.handoff("damaged"),
+                           lambda first: wire(pair.prefill.export_kv("damaged", first)))
     pair.prefill.release_handoff("damaged")
     assert run(pair.decode)["damaged"][-1].token_ids[:1] == request.output_token_ids[:1]
 
@@ -357,18 +370,16 @@ def test_a_full_decode_engine_refuses_before_any_transfer(llama_tiny):
     pair.prefill.add_request("long", long, GREEDY)
     pair.prefill.add_request("short", short, GREEDY)
     run(pair.prefill)
-    pair.decode.import_request(pair.prefill.handoff("long"), lambda first: pair.prefill.export_kv("long", first))
+    import_whole(pair.decode, pair.prefill.handoff("long"), lambda first: pair.prefill.export_kv("long", first))
     pair.prefill.release_handoff("long")  # 7 of 8 blocks taken on the decode side
     handoff = pair.prefill.handoff("short")
-    assert not pair.decode.can_import(handoff)
     free = pair.decode.blocks.num_free_blocks()
     pulled = []
     with pytest.raises(KvImportRefused, match="needs 3 KV blocks, 1 are free"):
-        pair.decode.import_request(handoff, lambda first: pulled.append(first) or [])
+        import_whole(pair.decode, handoff, lambda first: pulled.append(first) or [])
     assert not pulled and pair.decode.blocks.num_free_blocks() == free
     run(pair.decode)  # the long one finishes and frees its blocks: now it fits
-    assert pair.decode.can_import(handoff)
-    pair.decode.import_request(handoff, lambda first: pair.prefill.export_kv("short", first))
+    import_whole(pair.decode, handoff, lambda first: pair.prefill.export_kv("short", first))
     pair.prefill.release_handoff("short")
     assert run(pair.decode)["short"][-1].token_ids == colocated(folder, [short], GREEDY, **ENGINE)[0].token_ids
     assert pair.free_counts() == pair.free
@@ -385,7 +396,8 @@ def test_roles_and_what_each_refuses(llama_tiny, pair):
     with pytest.raises(KvTransferError, match="'prefill' engine imports no KV"):
         pair.prefill.reserve_import(handoff)
     assert pair.prefill.hand_over("held") is None  # held for its hand-off already, not decoding
-    assert LLM(llama_tiny[0], **ENGINE).engine.can_import(handoff)  # a co-located engine takes moved requests
+    colocated_engine = LLM(llama_tiny[0], **ENGINE).engine  # a co-located engine takes moved requests
+    colocated_engine.cancel_import(colocated_engine.reserve_import(handoff))
     with pytest.raises(KeyError, match="not held here"):
         pair.prefill.export_kv("nobody")
     receiver = pair.decode.reserve_import(handoff)

@@ -52,10 +52,6 @@ class Trace:
     def duration(self) -> float:
         return float(self.arrivals[-1] - self.arrivals[0])
 
-    @property
-    def mean_rate(self) -> float:
-        return (len(self.arrivals) - 1) / self.duration if self.duration > 0 else math.inf
-
 
 def load_trace(name: str = "azure2023_conv", folder: Path | None = None) -> Trace:
     """A trace of ../shared/traces by file name (with or without .csv): columns arrived_at, num_prefill_tokens,
