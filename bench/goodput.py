@@ -324,9 +324,10 @@ def _figures(res: SimResult, window: tuple[float, float]) -> dict:
 class CellRuns:
     """The runs of one cell of the matrix on the fleet configured for one rule, by (rate, seed): a rate the search
     probes again, or whose figures are asked after the search, is not simulated twice; a run given up below a target
-    is below every higher target. With a `journal`, each run is appended to it as it ends and the runs it holds
-    already (those of `fleet`, the rule the fleet is configured for) are not simulated again: a cell stopped part
-    way goes on where it stopped, its searches taking the same path (a search is determined by its scores)."""
+    is below every higher target. With a `journal`, each run is appended to it as it ends, with the seconds it took,
+    and the runs it holds already (those of `fleet`, the rule the fleet is configured for) are not simulated again:
+    a cell stopped part way goes on where it stopped, its searches taking the same path (a search is determined by
+    its scores), and `journaled_s` is what those runs took when they ran."""
     setup: Setup
     policy: str
     num_instances: int
@@ -334,6 +335,7 @@ class CellRuns:
     journal: Path | None = None
     fleet: str = ""
     kept: dict[tuple[float, int], dict | float] = field(default_factory=dict)  # figures, or the target given up below
+    journaled_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.journal is None or not self.journal.exists():
@@ -346,6 +348,7 @@ class CellRuns:
             entry = json.loads(line)
             if entry["fleet"] == self.fleet:
                 self.kept[(entry["rate"], entry["seed"])] = entry["kept"]
+                self.journaled_s += entry.get("wall_s", 0.0)  # journals written before runs were timed: none
 
     def score(self, rule: GoodputRule, rate: float, seed: int) -> float:
         """The score of `rule`; NaN for a run given up (certain to fail)."""
@@ -356,12 +359,13 @@ class CellRuns:
         """The run's `_figures`, simulated unless kept; None when it was given up below `give_up_below` or less."""
         kept = self.kept.get((rate, seed))
         if kept is None or (isinstance(kept, float) and (give_up_below is None or give_up_below < kept)):
+            t0 = time.perf_counter()
             res = _simulate(self.setup, self.policy, self.num_instances, self.co_budget, rate, seed, give_up_below)
             kept = self.kept[(rate, seed)] = give_up_below if res.aborted else _figures(res, self.setup.window)
             if self.journal is not None:
                 with self.journal.open("a") as f:
-                    f.write(json.dumps({"fleet": self.fleet, "rate": rate, "seed": seed, "kept": kept},
-                                       default=_json_default) + "\n")
+                    f.write(json.dumps({"fleet": self.fleet, "rate": rate, "seed": seed, "kept": kept,
+                                        "wall_s": time.perf_counter() - t0}, default=_json_default) + "\n")
         return None if isinstance(kept, float) else kept
 
 
@@ -381,7 +385,8 @@ class CellJob:
     misses): a fleet that attains 99 % of all requests attains 90 % of each tier of a matrix workload, every tier
     holding a quarter or more of the requests. Where the headline passed nowhere, strict is not searched. Each tier's
     attainment at the headline goodput is that of its first seed's run. Its runs go to `journal` as they end
-    (`CellRuns`; `JobProgress` names it)."""
+    (`CellRuns`; `JobProgress` names it); a cell resumed from one counts in its wall time what the runs it kept took
+    before."""
     setup: Setup
     policy: str
     num_instances: int
@@ -409,7 +414,7 @@ class CellJob:
                 "window_s": self.setup.window_s, "rel_tol": self.rel_tol, "headline": _search_summary(headline),
                 "strict": _search_summary(strict),
                 "at_headline": at_headline, "simulations": len(runs.kept) + len(strict_runs.kept),
-                "wall_s": time.perf_counter() - t0}
+                "wall_s": time.perf_counter() - t0 + runs.journaled_s + strict_runs.journaled_s}
 
 
 # The error sweep shows where attainment falls off; a run far past that stops here (overloaded runs are the slowest).

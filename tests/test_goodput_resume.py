@@ -3,6 +3,7 @@ report checkpointed part way is plotted."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -82,10 +83,16 @@ def test_a_cell_cut_short_goes_on_from_the_runs_its_journal_kept(tmp_path, monke
     kept = 3
     job.journal.write_text("".join(lines[:kept]) + lines[kept][:20])
     first_runs, simulated[:] = list(simulated), []
+    started = time.perf_counter()
     resumed = job.run()
+    elapsed = time.perf_counter() - started
     assert simulated == first_runs[kept:]  # the rest, in the same order: the searches took the same path
     assert _figures(resumed) == _figures(whole) and resumed["at_headline"] == whole["at_headline"]
     assert len(job.journal.read_text().splitlines()) == len(lines)  # the half line dropped, the rest appended
+    # its wall time: what the kept runs took when they ran, and this sitting's (its runs and the searches around them)
+    earlier_s, new_s = (sum(json.loads(x)["wall_s"] for x in part)
+                        for part in (lines[:kept], job.journal.read_text().splitlines()[kept:]))
+    assert earlier_s > 0 and earlier_s + new_s <= resumed["wall_s"] <= earlier_s + elapsed
 
 
 def test_a_fresh_run_drops_the_journals_of_another_and_a_finished_cell_drops_its_own(tmp_path):
