@@ -335,7 +335,7 @@ class CellRuns:
     journal: Path | None = None
     fleet: str = ""
     kept: dict[tuple[float, int], dict | float] = field(default_factory=dict)  # figures, or the target given up below
-    journaled_s: float = 0.0
+    journaled_s: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         if self.journal is None or not self.journal.exists():
