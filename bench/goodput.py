@@ -145,21 +145,28 @@ RULE_HEADROOM_TARGETS = {EVERY_TIER.name: 0.02, STRICT.name: 0.005}
 # costliest prompts (bench/RESULTS.md); where 1 % of all may, none.
 RULE_COSTLY_SHARES = {EVERY_TIER.name: round(1.0 - EVERY_TIER.target - RULE_HEADROOM_TARGETS[EVERY_TIER.name], 6),
                       STRICT.name: 0.0}
+# Whether PolyServe's engines keep its router's margins as a reserve before each token's deadline (Router's
+# token_reserve). Measured against both rules (bench/RESULTS.md): where 1 % of all may miss the fleet runs at half its
+# bound, misses are dear and the reserve wins; where a tenth of each tier may, capacity binds, and the prefill the
+# reserve takes from each step costs more than the misses it saves. The baselines' engines keep their own margins.
+RULE_TOKEN_RESERVES = {EVERY_TIER.name: False, STRICT.name: True}
 REFERENCE_WORKLOAD = "conv-4tier"  # the default workload: the error sweep's and the tier-attainment plot's
 SPEED_INSTANCES = 64
 
 
-def rule_fleet(rule: GoodputRule) -> dict[str, float]:
+def rule_fleet(rule: GoodputRule) -> dict[str, float | bool]:
     """The settings of the fleet `rule` is measured on, as SimConfig and the router take them: the margins' headroom
-    target and the router's costly share."""
-    return {"headroom_target": RULE_HEADROOM_TARGETS[rule.name], "costly_share": RULE_COSTLY_SHARES[rule.name]}
+    target, the router's costly share and whether PolyServe's engines keep its margins as a reserve."""
+    return {"headroom_target": RULE_HEADROOM_TARGETS[rule.name], "costly_share": RULE_COSTLY_SHARES[rule.name],
+            "token_reserve": RULE_TOKEN_RESERVES[rule.name]}
 
 
 @dataclass(slots=True, frozen=True)
 class Setup:
     """What every worker process rebuilds the same way (`build_setup`): a workload of the matrix, the latency
     model, the measured window (`window_s` after `warmup_s`; a run ends with it), the fleet's true step time, and
-    the headroom target and costly share of the fleet (those of the rule it is measured by: `for_rule`)."""
+    the headroom target, costly share and token reserve of the fleet (those of the rule it is measured by:
+    `for_rule`)."""
     workload: WorkloadSpec
     latency_profile: str | None
     warmup_s: float
@@ -167,6 +174,7 @@ class Setup:
     prediction_error: str = "gpu-typical"  # scheduler.prediction_error.PREDICTION_ERRORS: the fleet's true step time
     headroom_target: float = RULE_HEADROOM_TARGETS[EVERY_TIER.name]
     costly_share: float = RULE_COSTLY_SHARES[EVERY_TIER.name]
+    token_reserve: bool = RULE_TOKEN_RESERVES[EVERY_TIER.name]
 
     def for_rule(self, rule: GoodputRule) -> "Setup":
         """This setup on the fleet configured for `rule`."""
@@ -253,6 +261,8 @@ def make_simulator(policy: str, num_instances: int, model, tiers, co_budget: int
     over PD_LINK) and the rest decode instances, both placed by the policy's router."""
     if prefill_instances:
         config.update(prefill_instances=prefill_instances, transfer=PD_LINK)
+    if policy in BASELINES:
+        config["token_reserve"] = False  # PolyServe's router and engines keep it (RULE_TOKEN_RESERVES)
     if policy == "polyserve":
         return Simulator(SimConfig(num_instances=num_instances, **config), tiers, model)
     if policy in ("random", "round-robin", "least-loaded"):
@@ -283,7 +293,7 @@ def _simulate(setup: Setup, policy: str, num_instances: int, co_budget: int, rat
     built = build_setup(setup)
     sim = make_simulator(policy, num_instances, built.model, built.tiers, co_budget, prefill_instances, seed=seed,
                          prediction_error=setup.error, headroom_target=setup.headroom_target,
-                         costly_share=setup.costly_share)
+                         costly_share=setup.costly_share, token_reserve=setup.token_reserve)
     return sim.run(setup.poisson(rate, seed), window=setup.window, give_up_below=give_up_below)
 
 

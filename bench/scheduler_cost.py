@@ -38,6 +38,7 @@ class BenchRequest:
     num_blocks: int
     max_tokens: int
     tier: str = field(init=False)
+    tpot_reserve: float = 0.0
     first_token_due: float = field(init=False)
     tpot_s: float = field(init=False)
 

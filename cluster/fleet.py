@@ -40,6 +40,9 @@ class RoutedRequest:
     num_output_tokens: int = 0
     late: bool = False  # its first token can no longer be on time: judged from now on as if it arrived now
     standing: int = ON_TIME  # on time so far, or how it first went late (`scheduler.headroom`)
+    # the share of its TPOT its engine keeps before each token's deadline, as set where it was last placed
+    # (`Router`'s token_reserve)
+    tpot_reserve: float = 0.0
     placed_before: bool = False  # it ran on an instance that was lost: queued again, it is owed an answer
     # output it streamed on a lost instance, now the end of its prompt (`protocol.Submit.resumed_tokens`): its
     # client waits for its next token already

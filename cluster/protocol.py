@@ -115,6 +115,7 @@ class Submit(_Message, tag=_tag("submit")):
     # the prompt's last tokens are output already streamed from a failed instance: the engine continues after them
     # (Engine.add_request's resumed_tokens)
     resumed_tokens: int = 0
+    tpot_reserve: float = 0.0  # the share of its TPOT kept before each token's deadline (Engine.add_request's)
 
 
 class Import(_Message, tag=_tag("import")):
@@ -126,6 +127,7 @@ class Import(_Message, tag=_tag("import")):
     kv_host: str
     kv_port: int
     clock_shift: float  # this worker's clock - the other worker's: the Handoff's times are on the latter
+    tpot_reserve: float = 0.0  # as a Submit's: the router's for its new place (replaces the Handoff's)
 
 
 class Move(_Message, tag=_tag("move")):

@@ -135,7 +135,7 @@ class Router:
                  expected_output_tokens: float = 128.0, seed: int = 0, event_log: int = 100_000,
                  gradient: bool = True, promotion: str = "lazy", shed_late: bool = True,
                  transfer: TransferModel | None = None, headroom_target: float = DEFAULT_TARGET,
-                 demotion: bool = True, costly_share: float = 0.0):
+                 demotion: bool = True, costly_share: float = 0.0, token_reserve: bool = False):
         """`latency_model` is where the router's predictions start: it refines them from the steps the instances
         report (`OnlineLatencyModel`), and holds each tier's instances to the tier's TPOT less a margin fed back
         from its requests' outcomes (`Headroom`), as each engine does for its chunks (DESIGN.md §2, learning under
@@ -170,12 +170,21 @@ class Router:
         that share is refused at once, placed nowhere, when a request waited in a queue within the time a request
         placed now is expected to stay, or when it would queue itself. While a tighter tier sheds, a tier refuses up
         to what it has left of its whole allowance, `costly_share` and `headroom_target` together, less the losses it
-        measured (`CostlyShare.spare_share`). Zero refuses none for cost."""
+        measured (`CostlyShare.spare_share`). Zero refuses none for cost.
+
+        `token_reserve`: each placement tells the request's engine to keep, before each of its tokens' deadlines, the
+        share of its TPOT that is this router's margin of the tier the instance is held to then
+        (`RoutedRequest.tpot_reserve`). An engine's own margin reserves a share of the time since arrival, little
+        for the first tokens, and a greedy prefill budget spends the rest of a new resident's bank; the router's
+        margin is what the tier's misses say a step needs. The reserve takes prefill from every step it trims, so
+        it pays where misses are dear and capacity does not bind (a rule that lets few requests miss) and costs
+        where a tenth of each tier may miss and capacity binds (bench/RESULTS.md)."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if promotion not in PROMOTIONS:
             raise ValueError(f"promotion must be one of {', '.join(PROMOTIONS)}, got {promotion!r}")
         self.gradient, self.promotion, self.shed_late = gradient, promotion, shed_late
+        self.token_reserve = token_reserve
         self.shed: list[RoutedRequest] = []  # queued requests given up, for the caller to answer (`take_shed`)
         if queue_limit < 0:
             raise ValueError(f"queue_limit must be non-negative, got {queue_limit}")
@@ -924,7 +933,10 @@ class Router:
         view.summary.add(req)
         for sample in req.companions:
             self._seat(view, sample)
+        held = self._held_to(view, req) if self.token_reserve else None
         for sample in (req, *req.companions):
+            if held is not None:
+                sample.tpot_reserve = self.headroom[held].margin
             sample.instance_id = view.instance_id
             sample.placed_before = True
             view.residents_per_tier[sample.tier_index] += 1

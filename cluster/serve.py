@@ -100,6 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "to what a tier may miss beyond the latency margins' share, e.g. 0.08 where every tier is "
                          "held to 90 %% with margins at 0.02; while a tighter tier sheds, up to what the tier has "
                          "left of this share and the headroom target together; 0 refuses none for cost")
+    ap.add_argument("--token-reserve", action="store_true",
+                    help="have each engine keep, before each of a request's token deadlines, the share of its TPOT "
+                         "that is the router's margin of the tier its instance is held to: for a fleet held to a "
+                         "high attainment (e.g. 99 %% of all requests), where misses are dear; it takes prefill from "
+                         "every step, so a fleet whose capacity binds serves less with it")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     ap.add_argument("--warm-spares", type=int, default=None,
                     help="engine processes kept started but unattached, so that a replacement or a new instance "
@@ -153,7 +158,8 @@ def build_backend(args: argparse.Namespace) -> RouterBackend:
     transfer = TransferModel(LINKS[args.kv_link], kv_bytes) if args.prefill_instances else None
     router = Router(config.tier_set, latency_model, policy=args.router_policy, autoscaler=Autoscaler(limits),
                     queue_limit=args.queue_limit, shed_late=not args.serve_late, max_prefill_chunk=config.prefill_chunk,
-                    transfer=transfer, headroom_target=config.headroom_target, costly_share=args.costly_share)
+                    transfer=transfer, headroom_target=config.headroom_target, costly_share=args.costly_share,
+                    token_reserve=args.token_reserve)
     service = RouterService(router, launcher=build_launcher(args, config, limits.max_instances),
                             heartbeat_timeout_s=args.heartbeat_timeout_s, max_migrations=args.max_migrations)
     name = args.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)

@@ -339,6 +339,7 @@ class RouterService:
             return
         submit = stream.submit
         submit.queued_s = now - stream.routed.arrival
+        submit.tpot_reserve = stream.routed.tpot_reserve
         link = self.links[instance_id]
         h = stream.handoff
         if h is None:
@@ -349,7 +350,7 @@ class RouterService:
                 autoscaler.prefill_tokens.add(self.clock(), r.num_prompt_tokens - r.num_computed_tokens)
         else:  # decode clock = router clock - its offset = prefill clock + the prefill's offset - its offset
             link.send(p.Import(submit.request_id, h.handoff, h.kv_host, h.kv_port,
-                               h.clock_offset - link.clock_offset))
+                               h.clock_offset - link.clock_offset, stream.routed.tpot_reserve))
         if not stream.sent:
             stream.sent = True
             if self.metrics is not None:

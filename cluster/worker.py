@@ -298,7 +298,7 @@ class Worker:
             params = msg.sampling.params()
             arrival = self.clock() - max(0.0, msg.queued_s)
             await self._stream(conn, rid, self.async_engine.generate(
-                rid, msg.prompt_token_ids, params, msg.slo, arrival, msg.tier, msg.resumed_tokens), 0)
+                rid, msg.prompt_token_ids, params, msg.slo, arrival, msg.tier, msg.resumed_tokens, msg.tpot_reserve), 0)
         await self._serve(conn, rid, run(), "request")
 
     async def _serve_import(self, conn: _Connection, msg: p.Import) -> None:
@@ -316,7 +316,8 @@ class Worker:
             handoff = msgspec.structs.replace(
                 handoff, arrival=handoff.arrival + shift, first_token_time=handoff.first_token_time + shift,
                 first_scheduled_time=None if handoff.first_scheduled_time is None
-                else handoff.first_scheduled_time + shift, later_times=[t + shift for t in handoff.later_times])
+                else handoff.first_scheduled_time + shift, later_times=[t + shift for t in handoff.later_times],
+                tpot_reserve=msg.tpot_reserve)
             source = _PeerKv(msg.kv_host, msg.kv_port, self._token, rid)
             try:
                 await self._stream(conn, rid, self.async_engine.generate_imported(handoff, source),

@@ -116,14 +116,16 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        slo: SLO | str | None = None, arrival: float | None = None,
-                       tier: str | None = None, resumed_tokens: int = 0) -> AsyncIterator[RequestOutput]:
+                       tier: str | None = None, resumed_tokens: int = 0,
+                       tpot_reserve: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Adds the request (`Engine.add_request`: raising InvalidRequestError at once if it can't run) and yields
         its outputs; leaving the iteration early aborts the request and frees its KV."""
         queue = self._open_stream(request_id)
         try:
             if params.structured_output is not None:  # compiling a grammar can take a while: not on the step loop
                 await asyncio.to_thread(self.engine.compile_grammar, params)
-            await self._call(Engine.add_request, (request_id, prompt, params, slo, arrival, tier, resumed_tokens),
+            await self._call(Engine.add_request,
+                             (request_id, prompt, params, slo, arrival, tier, resumed_tokens, tpot_reserve),
                              undo=lambda _: self.engine.abort(request_id))
         except BaseException:
             self._streams.pop(request_id, None)

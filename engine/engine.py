@@ -108,7 +108,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     slo: SLO | str | None = None, arrival: float | None = None, tier: str | None = None,
-                    resumed_tokens: int = 0) -> Request:
+                    resumed_tokens: int = 0, tpot_reserve: float = 0.0) -> Request:
         """Validates and queues a request; raises InvalidRequestError (the engine is untouched) when it can't run.
 
         Its SLO is made concrete here unless a front end did so at its own admission (then `tier` names the tier
@@ -117,7 +117,10 @@ class Engine:
         `resumed_tokens`: the prompt's last tokens are output that the request already streamed from another
         instance (a stream migrated off a failed one; `max_tokens` counts what remains). They are prefilled again
         with the prompt, and the request goes on as if it had produced them here: its text continues theirs
-        (stop strings across the seam, the same text held back) and a seeded generator is past their draws."""
+        (stop strings across the seam, the same text held back) and a seeded generator is past their draws.
+
+        `tpot_reserve`: the share of its TPOT the batch policy keeps in reserve before each of its tokens' deadlines
+        (`scheduler.types.SchedulableRequest`), as the router that placed it asks."""
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.imports:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -136,12 +139,14 @@ class Engine:
         if len(ids) > self.executor.num_kv_blocks * self.block_size:
             raise InvalidRequestError(f"prompt of {len(ids)} tokens exceeds the KV pool "
                                       f"({self.executor.num_kv_blocks * self.block_size} tokens)")
+        if not 0 <= tpot_reserve < 1:
+            raise InvalidRequestError(f"tpot_reserve must lie in [0, 1), got {tpot_reserve}")
         if not 0 <= resumed_tokens < len(ids):
             raise InvalidRequestError(f"resumed_tokens must be in [0, {len(ids)}) for a prompt of {len(ids)} tokens, "
                                       f"got {resumed_tokens}")
         detok, generator, grammar = self._continuation(params, ids[len(ids) - resumed_tokens:])
         req = Request(request_id, next(self._seq_ids), ids, params, self.clock() if arrival is None else arrival,
-                      slo=slo, tier=tier, generator=generator, grammar=grammar)
+                      slo=slo, tier=tier, generator=generator, grammar=grammar, tpot_reserve=tpot_reserve)
         self.blocks.add_sequence(req.seq_id, ids)
         self.requests[request_id] = req
         self.detok[request_id] = detok
@@ -237,7 +242,8 @@ class Engine:
             prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs else None,
             prompt_top_logprobs=req.prompt_top_logprobs if p.prompt_logprobs else None,
             later_tokens=req.output_token_ids[1:], later_times=req.token_times[1:],
-            later_logprobs=logprobs[1:] if logprobs else None, later_top_logprobs=top[1:] if top else None)
+            later_logprobs=logprobs[1:] if logprobs else None, later_top_logprobs=top[1:] if top else None,
+            tpot_reserve=req.tpot_reserve)
 
     def hand_over(self, request_id: str) -> RequestOutput | None:
         """A decoding request of this engine (role decode or both) leaves the batch between steps to go on another
@@ -301,6 +307,8 @@ class Engine:
         if handoff.layout != self.kv_layout:
             raise KvTransferError(f"request {rid!r}: KV layout {handoff.layout} does not match this engine's "
                                   f"{self.kv_layout}")
+        if not 0 <= handoff.tpot_reserve < 1:
+            raise InvalidRequestError(f"request {rid!r}: tpot_reserve must lie in [0, 1), got {handoff.tpot_reserve}")
         later = len(handoff.later_tokens)
         if len(handoff.later_times) != later or any(
                 x is not None and len(x) != later for x in (handoff.later_logprobs, handoff.later_top_logprobs)):
@@ -340,7 +348,7 @@ class Engine:
         del self.imports[rid]
         self.blocks.mark_computed(receiver.seq_id, computed)
         req = Request(rid, receiver.seq_id, list(h.prompt_token_ids), h.params, h.arrival, slo=h.slo, tier=h.tier,
-                      generator=generator, grammar=grammar)
+                      generator=generator, grammar=grammar, tpot_reserve=h.tpot_reserve)
         for token, t in zip(outputs, [h.first_token_time, *h.later_times]):
             req.append_output(token, t)
         if h.first_logprob is not None:

@@ -148,6 +148,7 @@ class Handoff(_Frame, tag=_tag("kv_handoff")):
     later_times: list[float] = msgspec.field(default_factory=list)
     later_logprobs: list[float] | None = None
     later_top_logprobs: list[TopLogprobs] | None = None
+    tpot_reserve: float = 0.0  # as its request's (`engine.request.Request`); the importer's router may set another
 
     @property
     def output_token_ids(self) -> list[int]:

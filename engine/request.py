@@ -54,6 +54,8 @@ class Request:
     first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
     tpot_s: float = field(init=False)
     standing: int = ON_TIME  # on time so far, or how it first went late (`scheduler.headroom`)
+    # the share of its TPOT the batch policy keeps before each of its tokens' deadlines, its router's word (0: none)
+    tpot_reserve: float = 0.0
 
     def __post_init__(self):
         self.num_prompt_tokens = self.num_tokens = len(self.prompt_token_ids)

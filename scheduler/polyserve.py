@@ -18,7 +18,9 @@ class PolyServePolicy:
        request is not allowed to shrink the budget below its own TPOT, or one late token would stall prefill),
        planned against the SLO shrunk by the headroom's margin m: deadline arrival + (1 - m) (ttft + k tpot), floor
        (1 - m) tpot. A prediction is not a measurement: each token then gains m tpot on its true deadline, a
-       reserve that grows with the output, and what a slow step or a stall costs comes out of it.
+       reserve that grows with the output, and what a slow step or a stall costs comes out of it. A request the
+       router placed with a reserve of its own (`tpot_reserve`, r) keeps at least r tpot before each deadline,
+       its first tokens too, whose grown reserve is still small.
        Requests still in prefill emit no token this step, so they set no per-token budget: their deadline orders
        the chunks instead (3).
     3. Prefill chunks, running ones and waiting ones alike, in order of the deadline of the token each emits next
@@ -71,7 +73,10 @@ class PolyServePolicy:
         for req in decodes:
             tpot_s = req.tpot_s * keep
             deadline = next_token_deadline(req)
-            slack = deadline - now - margin * (deadline - req.arrival)
+            reserve = margin * (deadline - req.arrival)
+            if reserve < req.tpot_reserve * req.tpot_s:
+                reserve = req.tpot_reserve * req.tpot_s
+            slack = deadline - now - reserve
             if slack < tpot_s:
                 slack = tpot_s
             if slack < budget_s:

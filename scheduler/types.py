@@ -30,6 +30,8 @@ class SchedulableRequest(ResidentRequest, Protocol):
     """A request as the batch policy reads it: a resident, and what it holds of the KV pool."""
     num_tokens: int  # prompt + output so far
     num_blocks: int  # KV blocks held
+    # the share of its TPOT planned as reserve before each of its tokens' deadlines, as its router placed it (0: none)
+    tpot_reserve: float
 
 
 @dataclass(slots=True, frozen=True)

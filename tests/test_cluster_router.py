@@ -634,6 +634,27 @@ def test_an_instance_is_packed_to_its_tier_tpot_less_the_headroom():
     assert 0 < packed == placed_on_one_instance(make_router(tiers=seven, queue_limit=1), seven) < full
 
 
+def test_token_reserve_hands_each_placement_the_margin_of_the_tier_its_instance_is_held_to():
+    def placed(token_reserve: bool) -> list[RoutedRequest]:
+        router = Router(TIERS, MODEL, autoscaler=Autoscaler(ScalingLimits(min_instances=0, max_instances=2,
+                                                                          idle_pool=0)), token_reserve=token_reserve)
+        ready(router, "a", "b")
+        for tier, misses in ((TIGHT, 20), (STD, 10)):
+            for _ in range(misses):
+                router.headroom[tier].missed()
+        reqs = [request("std", STD), request("tight", TIGHT), request("batch", BATCH)]
+        for r in reqs:
+            assert router.submit(r, 0.0).outcome is Outcome.PLACED
+        for _ in range(10):  # a margin that moves later leaves what a placement was told as it was
+            router.headroom[STD].missed()
+        assert [r.instance_id for r in reqs] == ["a", "b", "a"]  # batch has no instance of its own: onto std's
+        return reqs
+
+    # std's instance is held to std's TPOT and tight's to tight's; batch, promoted, is held to std's there
+    assert [r.tpot_reserve for r in placed(True)] == pytest.approx([0.1, 0.2, 0.1])
+    assert [r.tpot_reserve for r in placed(False)] == [0.0, 0.0, 0.0]
+
+
 def test_baselines_ignore_tiers():
     rr = make_router("round-robin")
     ready(rr, "a", "b", "c")

@@ -44,8 +44,8 @@ def wait_until(predicate, what: str) -> None:
 class Fleet:
     """Workers in this process, attached to a router service served over HTTP."""
 
-    def __init__(self, engines, heartbeat_s: float, heartbeat_timeout_s: float = 3.0):
-        self.service = RouterService(Router(engines[0].tiers, emulated_latency_model()),
+    def __init__(self, engines, heartbeat_s: float, heartbeat_timeout_s: float = 3.0, **router_options):
+        self.service = RouterService(Router(engines[0].tiers, emulated_latency_model(), **router_options),
                                      heartbeat_timeout_s=heartbeat_timeout_s)
         self.workers = [Worker(e, instance_id=f"w{i}", token=self.service.token, heartbeat_s=heartbeat_s)
                         for i, e in enumerate(engines)]
@@ -114,5 +114,24 @@ def test_the_samples_of_one_request_run_on_one_instance_sharing_its_prompt_block
         # each sample's own blocks are at most 3 (2 + 40 tokens), the prompt's 4 held once: three copies of the
         # prompt would take 15 blocks at least
         assert used_with_three and max(used_with_three) <= 4 + 3 * 3
+    finally:
+        fleet.close()
+
+
+def test_the_reserve_a_router_places_a_request_with_reaches_its_engine(llama_tiny):
+    """A router with token_reserve: the margin of the tier it holds the instance to rides the Submit, and the
+    engine's batch policy reads it off the request."""
+    engine = emulated_engine(llama_tiny[0], 0.01)
+    reserves = set()
+    engine.step_hooks.append(lambda stats: reserves.update(r.tpot_reserve for r in engine.running))
+    fleet = Fleet([engine], heartbeat_s=0.2, token_reserve=True)
+    try:
+        for headroom in fleet.service.router.headroom:
+            headroom.margin = 0.3
+        body = json.dumps({"model": "m", "prompt": list(range(1, 30)), "max_tokens": 8, "ignore_eos": True}).encode()
+        reply = json.loads(urllib.request.urlopen(urllib.request.Request(
+            fleet.server.url + "/v1/completions", body, {"Content-Type": "application/json"}), timeout=WAIT_S).read())
+        assert reply["usage"]["completion_tokens"] == 8
+        assert reserves == {0.3}
     finally:
         fleet.close()

@@ -12,6 +12,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine._C import add_fold_sums
+from engine.engine import InvalidRequestError
 from engine.kv_transfer import CHUNK_TRAILER_BYTES, ChunkLanding, FoldSums, Handoff, KvBegin, KvChunk, KvEnd, \
     KvImportRefused, KvLayout, KvReceiver, KvTransferError, chunk_checksum, chunk_trailer, decode_chunk_head, \
     decode_chunk_trailer, decode_frame, encode_chunk_head, encode_frame, read_blocks, rows_checksum, stream_blocks, \
@@ -156,6 +157,30 @@ def test_the_decode_side_decodes_from_the_imported_kv(llama_tiny):
     pair.prefill.release_handoff("tampered")
     tampered = run(pair.decode)["tampered"][-1].token_ids
     assert tampered[0] == honest[0] and tampered != honest
+    assert pair.free_counts() == pair.free
+
+
+def test_a_reserve_is_its_requests_and_crosses_a_handoff_as_the_importer_is_told(llama_tiny):
+    """The share of a TPOT a request's router asks its engine to keep (the batch policy reads it off the request):
+    checked at admission, carried by the hand-off, and replaced by the one the importing engine is told."""
+    pair = Pair(llama_tiny[0], **ENGINE)
+    prompt = random_prompts(llama_tiny[1].config.vocab_size, [20], seed=5)[0]
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(InvalidRequestError, match="tpot_reserve"):
+            pair.prefill.add_request("bad", prompt, GREEDY, tpot_reserve=bad)
+    assert "bad" not in pair.prefill.requests
+    assert pair.prefill.add_request("r", prompt, GREEDY, tpot_reserve=0.25).tpot_reserve == 0.25
+    run(pair.prefill)
+    handoff = decode_frame(encode_frame(pair.prefill.handoff("r")))
+    assert handoff.tpot_reserve == 0.25
+    with pytest.raises(InvalidRequestError, match="tpot_reserve"):
+        pair.decode.reserve_import(msgspec.structs.replace(handoff, tpot_reserve=1.5))
+    assert pair.decode.blocks.num_free_blocks() == pair.free[1]
+    req = import_whole(pair.decode, msgspec.structs.replace(handoff, tpot_reserve=0.1),
+                       lambda first: wire(pair.prefill.export_kv("r", first, 1000)))
+    assert req.tpot_reserve == 0.1
+    pair.prefill.release_handoff("r")
+    run(pair.decode)
     assert pair.free_counts() == pair.free
 
 

@@ -23,6 +23,7 @@ class Req:
     num_blocks: int
     max_tokens: int = 1000
     tier: str = ""
+    tpot_reserve: float = 0.0
     first_token_due: float = field(init=False)
     tpot_s: float = field(init=False)
 
@@ -98,6 +99,21 @@ def test_the_headroom_margin_shrinks_the_budget():
     headroom.margin = 0.0
     assert chunks(policy(headroom=headroom).schedule(NOW, running, [queued("w", NOW, TPOT20, 3000)], ROOMY))[-1] \
         == ("w", 910)
+
+
+def test_a_placed_reserve_keeps_a_share_of_a_tpot_before_that_requests_deadline():
+    running = decodes_with_slack([40, 35, 60, 100])
+    running[1].tpot_reserve = 0.5  # 10 ms of its 35 kept: 25 ms left
+    plan = policy().schedule(NOW, running, [queued("w", NOW, TPOT20, 3000)], ROOMY)
+    assert chunks(plan)[-1] == ("w", 1405)  # (25 - 10.804) / 0.0101 = 1405.5
+    running[1].tpot_reserve, running[2].tpot_reserve = 0.0, 0.5  # 60 - 10 ms: d1's 35 binds again
+    assert chunks(policy().schedule(NOW, running, [queued("w", NOW, TPOT20, 3000)], ROOMY))[-1] == ("w", 2395)
+    running[1].tpot_reserve = 0.9  # never below the TPOT's floor, as a late request's
+    assert chunks(policy().schedule(NOW, running, [queued("w", NOW, TPOT20, 3000)], ROOMY))[-1] == ("w", 910)
+    # the headroom's grown reserve, 0.01 of the 1.2 s to d1's deadline (12 ms), is the larger: it is kept alone
+    running[1].tpot_reserve = 0.5
+    plan = policy(headroom=Headroom(margin=0.01)).schedule(NOW, running, [queued("w", NOW, TPOT20, 3000)], ROOMY)
+    assert chunks(plan)[-1] == ("w", 1207)  # (35 - 12 - 10.804) / 0.0101 = 1207.5
 
 
 def test_no_decodes_means_full_chunks_in_deadline_order():

@@ -20,6 +20,7 @@ from scheduler.attainment import measure_request
 from scheduler.edf import EDFPolicy
 from scheduler.fcfs import FCFSPolicy
 from scheduler.polyserve import PolyServePolicy
+from scheduler.prediction_error import prediction_error
 from scheduler.tiers import Tier, TierSet
 
 
@@ -357,3 +358,35 @@ def test_costly_share_refuses_long_prompts_past_capacity_and_none_with_room(h200
     _, calm_plain = fleet_run(h200)
     assert calm.counts.get("costly", 0) == 0
     assert (calm.attained == calm_plain.attained).all() and (calm.ttft == calm_plain.ttft).all()
+
+
+class ReserveRecorder:
+    """A batch policy that notes, as it schedules, the reserve each running request carries."""
+
+    def __init__(self, policy, seen: dict):
+        self.policy, self.seen = policy, seen
+
+    def schedule(self, now, running, waiting, kv):
+        for r in running:
+            self.seen.setdefault(r.request_id, set()).add(r.tpot_reserve)
+        return self.policy.schedule(now, running, waiting, kv)
+
+
+def test_token_reserve_reaches_the_simulated_engines_from_the_router(h200):
+    """With token_reserve the router's margins, raised by the misses of a fleet past its capacity under prediction
+    error, ride each placement onto the instance's requests, as they were then; without it none does."""
+    model, tiers, factory = h200
+    w = factory.poisson(400.0, 4.0, 1)
+
+    def reserves(token_reserve: bool) -> dict:
+        cfg = SimConfig(num_instances=4, prediction_error=prediction_error("gpu-typical"), token_reserve=token_reserve)
+        seen: dict = {}
+        sim = Simulator(cfg, tiers, model, policy_factory=lambda m, h: ReserveRecorder(cfg.batch_policy(m, h), seen))
+        sim.run(w)
+        assert max(h.margin for h in sim.router.headroom) > 0
+        return seen
+
+    with_reserve = reserves(True)
+    values = [v for vs in with_reserve.values() for v in vs]
+    assert len(set(values)) > 2 and max(values) > 0 and all(0 <= v < 1 for v in values)
+    assert {v for vs in reserves(False).values() for v in vs} == {0.0}

@@ -68,6 +68,7 @@ class SimRequest:
     token_instances: list[str] | None = None  # with token_times: the instance that emitted each token
     tally: "MissTally | None" = None  # where it is counted missed, once (`count_missed`)
     standing: int = ON_TIME  # as its instance's headroom reads it (`scheduler.headroom`)
+    tpot_reserve: float = 0.0  # as its router placed it (`scheduler.types.SchedulableRequest`)
     first_token_due: float = field(init=False)  # the deadline terms (`scheduler.slo.deadline_terms`)
     tpot_s: float = field(init=False)
 

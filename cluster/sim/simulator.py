@@ -75,6 +75,7 @@ class SimConfig:
     shed_late: bool = True  # the router gives up a queued request that can no longer be on time (Router)
     headroom_target: float = DEFAULT_TARGET  # the share of requests each margin lets miss, router's and engines'
     costly_share: float = 0.0  # the share of each tier the router may refuse for cost when it has no place (Router)
+    token_reserve: bool = False  # the router's margins kept by the engines before each token's deadline (Router)
     # the most steps an instance's report is held back while nothing placement depends on changed, as the worker's
     # --report-every-steps (cluster/step_reports.py); 1: a report every step
     report_every_steps: int = 1
@@ -215,7 +216,7 @@ class Simulator:
         return Router(self.tiers, self.model, policy=cfg.router_policy, autoscaler=autoscaler,
                       queue_limit=cfg.queue_limit, shed_late=cfg.shed_late, max_prefill_chunk=cfg.max_prefill_chunk,
                       expected_output_tokens=expected_output, seed=cfg.seed, headroom_target=cfg.headroom_target,
-                      costly_share=cfg.costly_share, **transfer, **self.router_kwargs)
+                      costly_share=cfg.costly_share, token_reserve=cfg.token_reserve, **transfer, **self.router_kwargs)
 
     def _new_instance(self, now: float, prefill: bool = False) -> str:
         instance_id = f"i{self._next_instance}"
@@ -402,6 +403,7 @@ class Simulator:
     def _place(self, sreq: SimRequest, instance_id: str, now: float) -> None:
         view = self.router.fleet.instances[instance_id]
         sreq.host_tier = self.tiers[view.tier].name if view.tier is not None else ""
+        sreq.tpot_reserve = self._routed[sreq.request_id].tpot_reserve
         if sreq.request_id in self._prefilled:
             self._start_transfer(sreq, instance_id, now)
             return
