@@ -41,7 +41,7 @@ from engine.structured_output import StructuredOutput
 from scheduler.slo import SLO
 from scheduler.types import StepStats
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_FRAME_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of msgpack; 8 MiB leaves room and bounds a bad peer
 THREAD_DECODE_BYTES = 1 << 18  # above this a frame takes milliseconds to decode: off the event loop
 HEADER = struct.Struct("!I")

@@ -57,7 +57,7 @@ from engine.sampler import TopLogprobs
 from engine.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
-KV_WIRE_VERSION = 5
+KV_WIRE_VERSION = 6
 # Each chunk costs a frame head, a checksum pass set-up (a launch and a read-back from a device) and a syscall or two
 # on either side: large chunks pay it rarely, one still crosses the wire in milliseconds, and the frame limit holds
 # twice this.
