@@ -39,6 +39,11 @@ class InvalidRequestError(ValueError):
     """The request cannot be served as asked; nothing else is affected."""
 
 
+def _check_tpot_reserve(request_id: str, tpot_reserve: float) -> None:
+    if not 0 <= tpot_reserve < 1:
+        raise InvalidRequestError(f"request {request_id!r}: tpot_reserve must lie in [0, 1), got {tpot_reserve}")
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """A request's result so far. `new_token_ids`/`new_text` are what this step added (for streaming)."""
@@ -139,8 +144,7 @@ class Engine:
         if len(ids) > self.executor.num_kv_blocks * self.block_size:
             raise InvalidRequestError(f"prompt of {len(ids)} tokens exceeds the KV pool "
                                       f"({self.executor.num_kv_blocks * self.block_size} tokens)")
-        if not 0 <= tpot_reserve < 1:
-            raise InvalidRequestError(f"tpot_reserve must lie in [0, 1), got {tpot_reserve}")
+        _check_tpot_reserve(request_id, tpot_reserve)
         if not 0 <= resumed_tokens < len(ids):
             raise InvalidRequestError(f"resumed_tokens must be in [0, {len(ids)}) for a prompt of {len(ids)} tokens, "
                                       f"got {resumed_tokens}")
@@ -307,8 +311,7 @@ class Engine:
         if handoff.layout != self.kv_layout:
             raise KvTransferError(f"request {rid!r}: KV layout {handoff.layout} does not match this engine's "
                                   f"{self.kv_layout}")
-        if not 0 <= handoff.tpot_reserve < 1:
-            raise InvalidRequestError(f"request {rid!r}: tpot_reserve must lie in [0, 1), got {handoff.tpot_reserve}")
+        _check_tpot_reserve(rid, handoff.tpot_reserve)
         later = len(handoff.later_tokens)
         if len(handoff.later_times) != later or any(
                 x is not None and len(x) != later for x in (handoff.later_logprobs, handoff.later_top_logprobs)):

@@ -74,8 +74,9 @@ class PolyServePolicy:
             tpot_s = req.tpot_s * keep
             deadline = next_token_deadline(req)
             reserve = margin * (deadline - req.arrival)
-            if reserve < req.tpot_reserve * req.tpot_s:
-                reserve = req.tpot_reserve * req.tpot_s
+            asked = req.tpot_reserve * req.tpot_s
+            if reserve < asked:
+                reserve = asked
             slack = deadline - now - reserve
             if slack < tpot_s:
                 slack = tpot_s
