@@ -55,8 +55,8 @@ live router (a run at each of --calibration-loads; disaggregated with --calibrat
 per-instance goodput of --policies (default polyserve) over --scan-fleets, in a longer window, each probe pooling
 seeds enough for as many instance-runs at every size; pd: prefill/decode disaggregation at
 --pd-fleets, each router of PD_POLICIES at its best static split of the fleet, beside co-located PolyServe and
-mixed-deadline-admission, each against the bound of its mode (a PD fleet's: `fluid_bound`'s `prefill_chunk`), on
-each of --workloads (the PD column of the matrix: `print_pd_matrix`); the other experiments run on the first of them.
+mixed-deadline-admission, each against the bound of its mode (a PD fleet's: `fluid_bound`'s `prefill_chunk`) and with
+each tier's attainment at its goodput under the three views, on each of --workloads (the PD column of the matrix: `print_pd_matrix`); the other experiments run on the first of them.
 
 Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
 JSON. KV pool: what the weights leave of 90 % of 141 GB (scheduler/roofline.py). Tiers: the four default tiers
@@ -102,7 +102,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from cluster.autoscaler import ScalingLimits
-from cluster.sim.goodput import (EVERY_TIER, RULES, STRICT, FluidBound, GoodputRule, GoodputSearch,
+from cluster.sim.goodput import (EVERY_TIER, STRICT, FluidBound, GoodputRule, GoodputSearch,
                                  autoscaled_goodput, fluid_bound, search_goodput)
 from cluster.sim.simulator import SimConfig, SimResult, Simulator
 from cluster.sim.workload import (MATRIX_WORKLOADS, TierMix, Workload, WorkloadFactory, WorkloadSpec, default_tiers,
@@ -297,19 +297,6 @@ def _simulate(setup: Setup, policy: str, num_instances: int, co_budget: int, rat
     return sim.run(setup.poisson(rate, seed), window=setup.window, give_up_below=give_up_below)
 
 
-def _score(setup: Setup, policy: str, num_instances: int, co_budget: int, rule: str, rate: float, seed: int,
-           prefill_instances: int = 0) -> float:
-    """The score of `rule` in the measured window, on the fleet configured for it; NaN for a run given up once its
-    pooled attainment fell below the rule's target (then no rule can pass)."""
-    goodput_rule = RULES[rule]
-    setup = setup.for_rule(goodput_rule)
-    res = _simulate(setup, policy, num_instances, co_budget, rate, seed, give_up_below=goodput_rule.target,
-                    prefill_instances=prefill_instances)
-    if res.aborted:
-        return math.nan
-    return goodput_rule.score(res.attainment(setup.window), res.tier_attainment(setup.window))
-
-
 def _search_summary(found: GoodputSearch) -> dict:
     return {"goodput": found.goodput, "confirmed": found.confirmed, "next_failing": found.next_failing,
             "probes": [(p.rate, float(np.min(p.scores)), list(p.scores)) for p in found.probes]}
@@ -337,13 +324,15 @@ class CellRuns:
     is below every higher target. With a `journal`, each run is appended to it as it ends, with the seconds it took,
     and the runs it holds already (those of `fleet`, the rule the fleet is configured for) are not simulated again:
     a cell stopped part way goes on where it stopped, its searches taking the same path (a search is determined by
-    its scores), and `journaled_s` is what those runs took when they ran."""
+    its scores), and `journaled_s` is what those runs took when they ran. With `prefill_instances`, the runs of a PD
+    fleet (make_simulator)."""
     setup: Setup
     policy: str
     num_instances: int
     co_budget: int
     journal: Path | None = None
     fleet: str = ""
+    prefill_instances: int = 0
     kept: dict[tuple[float, int], dict | float] = field(default_factory=dict)  # figures, or the target given up below
     journaled_s: float = field(default=0.0, init=False)
 
@@ -370,7 +359,8 @@ class CellRuns:
         kept = self.kept.get((rate, seed))
         if kept is None or (isinstance(kept, float) and (give_up_below is None or give_up_below < kept)):
             t0 = time.perf_counter()
-            res = _simulate(self.setup, self.policy, self.num_instances, self.co_budget, rate, seed, give_up_below)
+            res = _simulate(self.setup, self.policy, self.num_instances, self.co_budget, rate, seed, give_up_below,
+                            self.prefill_instances)
             kept = self.kept[(rate, seed)] = give_up_below if res.aborted else _figures(res, self.setup.window)
             if self.journal is not None:
                 with self.journal.open("a") as f:
@@ -454,7 +444,8 @@ class SweepJob:
 
 @dataclass(slots=True, frozen=True)
 class SearchJob:
-    """One goodput search of the headline rule of `policy` at `num_instances`, from the bracket [low, high]."""
+    """One goodput search of the headline rule of `policy` at `num_instances`, from the bracket [low, high], with each
+    tier's attainment at the goodput found, as a matrix cell has it (its first seed's run)."""
     setup: Setup
     policy: str
     num_instances: int
@@ -468,12 +459,15 @@ class SearchJob:
     def run(self, map_fn=map, width: int = 1) -> dict:
         """Its simulations through `map_fn`, `width` rates per round (cluster.sim.goodput.search_goodput)."""
         t0 = time.perf_counter()
-        score_at = functools.partial(_score, self.setup, self.policy, self.num_instances, self.co_budget,
-                                     EVERY_TIER.name, prefill_instances=self.prefill_instances)
-        found = search_goodput(score_at, self.seeds, self.low, self.high, EVERY_TIER, rel_tol=self.rel_tol,
-                               width=width, map_fn=map_fn)
+        runs = CellRuns(self.setup.for_rule(EVERY_TIER), self.policy, self.num_instances, self.co_budget,
+                        prefill_instances=self.prefill_instances)
+        found = search_goodput(functools.partial(runs.score, EVERY_TIER), self.seeds, self.low, self.high,
+                               EVERY_TIER, rel_tol=self.rel_tol, width=width, map_fn=map_fn)
+        # through a pool's map the runs' figures stay in the workers: the one asked for here is simulated again
+        at_headline = ({"rate": found.goodput, "seed": self.seeds[0], **runs.figures(found.goodput, self.seeds[0])}
+                       if found.goodput > 0 else None)
         return {"policy": self.policy, "num_instances": self.num_instances,
-                "prefill_instances": self.prefill_instances, **_search_summary(found),
+                "prefill_instances": self.prefill_instances, **_search_summary(found), "at_headline": at_headline,
                 "wall_s": time.perf_counter() - t0}
 
 
@@ -1210,7 +1204,8 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
           f"{setup.warmup_s:.0f} s; the best static split of "
           f"{', '.join(f'{x:g}' for x in shares)} of the fleet prefilling (around the PD bound's "
           f"{pd_bound.prefill_share:.3f}), of those a step on while a router's best is at the edge, and of the one "
-          f"halfway from its best to each neighbour):")
+          f"halfway from its best to each neighbour; after each, its tiers' attainment at its goodput, % cumulative / "
+          f"mean TPOT / max gap):")
     rows = []
     for n in plan.pd_fleets:
         cell = [s for s in searches if s["num_instances"] == n]
@@ -1226,7 +1221,7 @@ def run_pd(pool, plan: Plan, setup: Setup, progress_file: JobProgress) -> dict:
             split = f"{s['prefill_instances']}p+{n - s['prefill_instances']}d" if s["prefill_instances"] else f"{n}"
             of = (pd_bound if mode == "PD" else bound).rate(n)
             print(f"  {n:>4} instances  {mode:10} {policy:26} {split:>9} {_goodput(s):>10} {s['goodput'] / of:7.1%} "
-                  f"of its mode's bound")
+                  f"of its mode's bound | {_tier_columns(s.get('at_headline'))}")
         pairing = max((s for s in pd_baselines if s["policy"] in PD_PAIRINGS), key=lambda s: s["goodput"])
         ratio, to_pairing = (ours["goodput"] / s["goodput"] if s["goodput"] else math.inf for s in (strongest, pairing))
         print(f"  {n:>4} instances: PolyServe-PD / best PD baseline ({strongest['policy']}) {_ratio(ratio)}, / best "

@@ -20,7 +20,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.goodput import Setup, _score, build_setup
+from bench.goodput import CellRuns, Setup, build_setup
 from cluster.sim.goodput import EVERY_TIER, STRICT, fluid_bound
 from cluster.sim.simulator import SimConfig
 from cluster.sim.workload import MATRIX_WORKLOADS, REFUSED, workload_spec
@@ -34,7 +34,7 @@ RULES = (EVERY_TIER, STRICT)
 
 def _score_at(setup: Setup, policy: str, rule, share_of_bound: float) -> tuple[float, float]:
     rate = share_of_bound * setup.bound(rule).rate(INSTANCES)
-    return rate, _score(setup, policy, INSTANCES, 0, rule.name, rate, seed=1)
+    return rate, CellRuns(setup.for_rule(rule), policy, INSTANCES, 0).score(rule, rate, seed=1)
 
 
 @pytest.mark.parametrize("error", ["gpu-typical", "exact"])
@@ -63,8 +63,8 @@ def test_polyserve_pd_fails_at_the_disaggregated_bound(prefill_instances):
     setup = Setup(workload_spec("conv-4tier"), None, WARMUP_S, WINDOW_S, "gpu-typical")
     bound = setup.bound(EVERY_TIER, disaggregated=True).rate(INSTANCES)
     for share in (1.0, PASSING_SHARE):
-        score = _score(setup, "polyserve", INSTANCES, 0, EVERY_TIER.name, share * bound, seed=1,
-                       prefill_instances=prefill_instances)
+        runs = CellRuns(setup.for_rule(EVERY_TIER), "polyserve", INSTANCES, 0, prefill_instances=prefill_instances)
+        score = runs.score(EVERY_TIER, share * bound, seed=1)
         assert EVERY_TIER.passes(score) == (share < 1.0), f"{prefill_instances}p: {score:.3f} at {share * bound:.1f}"
 
 

@@ -70,3 +70,26 @@ def test_a_best_split_at_the_grids_edge_is_followed_a_step_beyond_it():
     assert pd_extended_splits({1: 5.0, 2: 4.0}, 8) == []
     assert pd_extended_splits({24: 1.0, 28: 5.0, 32: 2.0}, 64) == []  # the best inside the searched splits
     assert pd_extended_splits({4: 2.0}, 8) == []  # one split alone has no direction
+
+
+def test_a_pd_search_keeps_each_tiers_attainment_at_its_goodput_from_its_own_run(monkeypatch):
+    """As a matrix cell does: the first seed's run at the goodput found, under the three views, not simulated again."""
+    simulated = []
+    simulate = goodput._simulate
+
+    def counted(*args, **kwargs):
+        simulated.append(args[4:6])
+        return simulate(*args, **kwargs)
+
+    monkeypatch.setattr(goodput, "_simulate", counted)
+    setup = goodput.Setup(workload_spec("conv-4tier"), None, 4.0, 4.0)
+    bound = setup.bound(disaggregated=True).rate(4)
+    found = goodput.SearchJob(setup, "polyserve", 4, 0, (1, 2), 0.3 * bound, 0.9 * bound, 0.25,
+                              prefill_instances=1).run()
+    assert found["goodput"] > 0 and len(simulated) == len(set(simulated)) == 2 * len(found["probes"])
+    at = found["at_headline"]
+    assert (at["rate"], at["seed"]) == (found["goodput"], 1)
+    assert set(at["attainment"]) == set(goodput.VIEWS)
+    assert all(set(shares) == {"tight", "snug", "relaxed", "loose"} for shares in at["attainment"].values())
+    seed_1 = next(p[2][0] for p in found["probes"] if p[0] == found["goodput"])
+    assert min(at["attainment"]["cumulative"].values()) == seed_1 >= 0.9

@@ -67,7 +67,6 @@ class GoodputRule:
 
 EVERY_TIER = GoodputRule("every-tier", 0.9, per_tier=True)
 STRICT = GoodputRule("strict", 0.99, per_tier=False)
-RULES = {r.name: r for r in (EVERY_TIER, STRICT)}
 # Output-length classes per tier in the bounds: finer classes give a lower (tighter) bound, which has stopped
 # moving by this many on the matrix's workloads (bench/RESULTS.md).
 LENGTH_CLASSES = 40
