@@ -56,7 +56,8 @@ per-instance goodput of --policies (default polyserve) over --scan-fleets, in a 
 seeds enough for as many instance-runs at every size; pd: prefill/decode disaggregation at
 --pd-fleets, each router of PD_POLICIES at its best static split of the fleet, beside co-located PolyServe and
 mixed-deadline-admission, each against the bound of its mode (a PD fleet's: `fluid_bound`'s `prefill_chunk`) and with
-each tier's attainment at its goodput under the three views, on each of --workloads (the PD column of the matrix: `print_pd_matrix`); the other experiments run on the first of them.
+each tier's attainment at its goodput under the three views, on each of --workloads (the PD column of the matrix:
+`print_pd_matrix`); the other experiments run on the first of them.
 
 Latency model: Llama-3.1-8B bf16 on one H200 (scheduler/roofline.py; what the emulated engines sleep), or a profile
 JSON. KV pool: what the weights leave of 90 % of 141 GB (scheduler/roofline.py). Tiers: the four default tiers
