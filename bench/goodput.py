@@ -369,6 +369,10 @@ class CellRuns:
                                         "wall_s": time.perf_counter() - t0}, default=_json_default) + "\n")
         return None if isinstance(kept, float) else kept
 
+    def at_rate(self, rate: float, seed: int) -> dict:
+        """The run's figures with its rate and seed (a goodput point's record), simulated whole unless kept."""
+        return {"rate": rate, "seed": seed, **self.figures(rate, seed)}
+
 
 # The matrix's brackets are guesses from the bound or a smaller fleet, seldom far off: widened by small steps when
 # the goodput lies outside, they need fewer probes to narrow again.
@@ -407,8 +411,7 @@ class CellJob:
             strict = search_goodput(functools.partial(strict_runs.score, STRICT), self.seeds,
                                     STRICT_START * headline.goodput, headline.goodput, STRICT, rel_tol=self.rel_tol,
                                     widen=WIDEN)
-            at_headline = {"rate": headline.goodput, "seed": self.seeds[0],
-                           **runs.figures(headline.goodput, self.seeds[0])}
+            at_headline = runs.at_rate(headline.goodput, self.seeds[0])
         else:
             strict, at_headline = GoodputSearch(0.0, (), False), None
         return {"workload": self.setup.workload.name, "policy": self.policy, "num_instances": self.num_instances,
@@ -465,8 +468,7 @@ class SearchJob:
         found = search_goodput(functools.partial(runs.score, EVERY_TIER), self.seeds, self.low, self.high,
                                EVERY_TIER, rel_tol=self.rel_tol, width=width, map_fn=map_fn)
         # through a pool's map the runs' figures stay in the workers: the one asked for here is simulated again
-        at_headline = ({"rate": found.goodput, "seed": self.seeds[0], **runs.figures(found.goodput, self.seeds[0])}
-                       if found.goodput > 0 else None)
+        at_headline = runs.at_rate(found.goodput, self.seeds[0]) if found.goodput > 0 else None
         return {"policy": self.policy, "num_instances": self.num_instances,
                 "prefill_instances": self.prefill_instances, **_search_summary(found), "at_headline": at_headline,
                 "wall_s": time.perf_counter() - t0}
