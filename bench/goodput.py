@@ -1100,7 +1100,7 @@ def scan_seeds(plan: Plan, num_instances: int) -> tuple[int, ...]:
 
 def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple[float, float], processes: int) -> dict:
     """Goodput per instance of each policy at each of the scan's fleet sizes, searched from `bracket` (per-instance
-    rates), printed as a table."""
+    rates), printed as a table, with each tier's attainment at each goodput."""
     bound = setup.bound()
     built = build_setup(setup)
     co_budget = co_chunk_budget(built.model, built.tiers, bound)
@@ -1121,6 +1121,9 @@ def run_scan(pool, plan: Plan, setup: Setup, policies: list[str], bracket: tuple
         row = [next(s for s in searches if s["policy"] == p and s["num_instances"] == n) for p in policies]
         print("  " + f"{n:>10}{len(scan_seeds(plan, n)):>6}" + "".join(f"{r['goodput'] / n:18.2f}" for r in row)
               + f"{bound.rate(1):10.2f}")
+    print("  each tier's attainment at each goodput, % cumulative / mean TPOT / max gap (its first seed's run):")
+    for s in searches:
+        print(f"  {s['num_instances']:>10} {s['policy']:26} {_tier_columns(s['at_headline'])}")
     return {"workload": setup.workload.name, "fleets": list(plan.scan_fleets), "bound_per_instance": bound.rate(1),
             "searches": searches}
 

@@ -93,3 +93,19 @@ def test_a_pd_search_keeps_each_tiers_attainment_at_its_goodput_from_its_own_run
     assert all(set(shares) == {"tight", "snug", "relaxed", "loose"} for shares in at["attainment"].values())
     seed_1 = next(p[2][0] for p in found["probes"] if p[0] == found["goodput"])
     assert min(at["attainment"]["cumulative"].values()) == seed_1 >= 0.9
+
+
+def test_the_fleet_size_scan_prints_each_tiers_attainment_at_each_goodput(monkeypatch, capsys):
+    at = {"rate": 20.0, "seed": 1, "attainment": {view: {"tight": 0.91, "loose": 0.97} for view in goodput.VIEWS}}
+
+    def run(job, map_fn=map, width=1):
+        return {"policy": job.policy, "num_instances": job.num_instances, "goodput": 10.0 * job.num_instances,
+                "at_headline": at}
+
+    monkeypatch.setattr(goodput.SearchJob, "run", run)
+    args = goodput.parse_args(["--experiments", "scan", "--scan-fleets", "2,4"])
+    goodput.run_scan(None, goodput.make_plan(args), goodput.Setup(workload_spec("conv-4tier"), None, 4.0, 4.0),
+                     ["polyserve"], (5.0, 20.0), 1)
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if "polyserve" in line and "/" in line]
+    assert [line[:2] for line in lines] == [["2", "polyserve"], ["4", "polyserve"]]
+    assert all(line[2:] == ["91", "97", "/"] * 2 + ["91", "97"] for line in lines)
